@@ -1,0 +1,275 @@
+"""Collectives on numpy arrays, with Horovod's names and arguments.
+
+Every ``*_async`` call returns a handle at once; ``synchronize(handle)``
+waits for the result. Operations are matched across ranks by name, so
+ranks may submit in different orders. Out-of-place calls never modify their
+input; an input must not be modified while its operation is in flight.
+"""
+
+import numpy as np
+
+from mpitrain import basics, dtypes
+from mpitrain.entries import Entry
+from mpitrain.errors import ERROR_CLASSES
+from mpitrain.handles import GroupHandle, Handle, synchronize
+from mpitrain.messages import Request
+from mpitrain.ops import Adasum, Average, OpType, ReduceOp, Sum, resolve_op
+from mpitrain.process_sets import global_process_set
+
+
+class _Problem(Exception):
+    """An argument error found on this rank; the other ranks hear of it too."""
+
+    def __init__(self, kind, message):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _controller(engine, process_set):
+    set_id = process_set.process_set_id
+    if set_id is None:
+        raise ValueError(f"{process_set!r} is not registered: pass it to "
+                         "init(process_sets=...) or add_process_set() first")
+    controller = engine.controller_for(set_id)
+    if controller is None:
+        raise ValueError(f"this rank ({basics.rank()}) is not a member of "
+                         f"{process_set!r}")
+    return controller
+
+
+def _as_array(value):
+    return value if type(value) is np.ndarray else np.asarray(value)
+
+
+def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
+             root=-1, output=None, splits=None):
+    """Build this rank's entry; a local argument error becomes a _Problem."""
+    array = _as_array(array)
+    dtype = dtypes.lookup(array.dtype)
+    request = Request(name, kind, controller.rank, -1 if dtype is None else dtype.code,
+                      array.shape, int(op), float(prescale), float(postscale), root)
+    entry = Entry(request, dtype, array, output, Handle(name))
+    try:
+        _check(controller, kind, array, dtype, request, output)
+        if kind == OpType.ALLTOALL:
+            entry.splits = _alltoall_splits(array, splits, controller.size)
+    except _Problem as problem:
+        return entry, problem
+    return entry, None
+
+
+def _check(controller, kind, array, dtype, request, output):
+    if dtype is None:
+        raise _Problem("type", f"unsupported dtype {array.dtype}; mpitrain "
+                               f"supports {dtypes.SUPPORTED_NAMES}")
+    if request.op == Adasum:
+        raise _Problem("notimplemented", "op=Adasum is not implemented in "
+                                         "mpitrain; use Average or Sum")
+    if kind == OpType.REDUCESCATTER and request.op not in (Average, Sum):
+        raise _Problem("value", "reducescatter supports only op=Average and op=Sum, "
+                                f"got {ReduceOp(request.op).name.capitalize()}")
+    if kind in (OpType.ALLGATHER, OpType.ALLTOALL, OpType.REDUCESCATTER) \
+            and array.ndim == 0:
+        raise _Problem("value", f"{kind.label} needs an array with at least one "
+                                "dimension, got a scalar")
+    if kind == OpType.BROADCAST and not 0 <= request.root < controller.size:
+        raise _Problem("value", f"root_rank {request.root} is out of range for a "
+                                f"process set of {controller.size} ranks")
+    if output is not None and (output.shape != array.shape or output.dtype != array.dtype
+                               or not output.flags.writeable):
+        raise _Problem("value", f"output of shape {output.shape} and dtype "
+                                f"{output.dtype} cannot hold the result for input "
+                                f"of shape {array.shape} and dtype {array.dtype}")
+
+
+def _alltoall_splits(array, splits, size):
+    rows = array.shape[0]
+    if splits is None:
+        if rows % size:
+            raise _Problem("value", f"alltoall without splits needs a first "
+                                    f"dimension divisible by {size} ranks, got {rows}")
+        return np.full(size, rows // size, dtype=np.int64)
+    values = np.asarray(splits).reshape(-1)
+    if values.size != size or (values.size and values.min() < 0):
+        raise _Problem("value", f"alltoall splits must be {size} non-negative "
+                                f"counts, one per rank, got {values.tolist()}")
+    if int(values.sum()) != rows:
+        raise _Problem("value", f"alltoall splits {values.tolist()} add up to "
+                                f"{int(values.sum())}, but the first dimension is {rows}")
+    return values.astype(np.int64)
+
+
+def _submit(engine, controller, prepared):
+    """Enqueue prepared entries, or raise the first local problem.
+
+    With a problem, every entry is still enqueued, without a handle, carrying
+    the error: the other ranks then fail the same names instead of waiting.
+    """
+    problems = [p for _, p in prepared if p is not None]
+    if not problems:
+        engine.enqueue_many(controller, [e for e, _ in prepared])
+        return [e.handle for e, _ in prepared]
+    first = problems[0]
+    for entry, _ in prepared:
+        entry.handle = None
+        entry.request.error = str(first)
+        entry.request.error_kind = first.kind
+    engine.enqueue_many(controller, [e for e, _ in prepared])
+    names = ", ".join(f"'{e.request.name}'" for e, _ in prepared)
+    raise ERROR_CLASSES[first.kind](
+        f"{prepared[0][0].request.kind.label} of {names}: {first}")
+
+
+def _one(kind, array, name, process_set, **params):
+    engine = basics.engine()
+    controller = _controller(engine, process_set)
+    if name is None:
+        name = controller.automatic_name(kind)
+    return _submit(engine, controller,
+                   [_prepare(controller, kind, array, name, **params)])[0]
+
+
+def _group(kind, arrays, name, process_set, outputs=None, **params):
+    engine = basics.engine()
+    controller = _controller(engine, process_set)
+    if name is None:
+        name = controller.automatic_name(kind)
+    arrays = list(arrays)
+    outputs = [None] * len(arrays) if outputs is None else list(outputs)
+    prepared = [_prepare(controller, kind, array, f"{name}_{i}of{len(arrays)}",
+                         output=output, **params)
+                for i, (array, output) in enumerate(zip(arrays, outputs))]
+    return GroupHandle(_submit(engine, controller, prepared))
+
+
+def allreduce_async(array, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set, *,
+                    output=None):
+    """Start reducing ``array`` across the set; ``output`` receives it in place."""
+    return _one(OpType.ALLREDUCE, array, name, process_set,
+                op=resolve_op(op, average), prescale=prescale_factor,
+                postscale=postscale_factor, output=output)
+
+
+def allreduce(array, average=None, name=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set):
+    return synchronize(allreduce_async(array, average, name, op, prescale_factor,
+                                       postscale_factor, process_set))
+
+
+def grouped_allreduce_async(arrays, average=None, name=None, op=None,
+                            prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set, *, outputs=None):
+    return _group(OpType.ALLREDUCE, arrays, name, process_set, outputs,
+                  op=resolve_op(op, average), prescale=prescale_factor,
+                  postscale=postscale_factor)
+
+
+def grouped_allreduce(arrays, average=None, name=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set):
+    return synchronize(grouped_allreduce_async(arrays, average, name, op,
+                                               prescale_factor, postscale_factor,
+                                               process_set))
+
+
+def allgather_async(array, name=None, process_set=global_process_set):
+    """Start concatenating every rank's ``array`` along the first dimension."""
+    return _one(OpType.ALLGATHER, array, name, process_set)
+
+
+def allgather(array, name=None, process_set=global_process_set):
+    return synchronize(allgather_async(array, name, process_set))
+
+
+def grouped_allgather_async(arrays, name=None, process_set=global_process_set):
+    return _group(OpType.ALLGATHER, arrays, name, process_set)
+
+
+def grouped_allgather(arrays, name=None, process_set=global_process_set):
+    return synchronize(grouped_allgather_async(arrays, name, process_set))
+
+
+def broadcast_async(array, root_rank, name=None, process_set=global_process_set, *,
+                    output=None):
+    """Start sending ``array`` from ``root_rank`` (a rank of the set) to all."""
+    return _one(OpType.BROADCAST, array, name, process_set,
+                root=_rank_argument(root_rank), output=output)
+
+
+def broadcast(array, root_rank, name=None, process_set=global_process_set):
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
+
+
+def _rank_argument(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"root_rank must be an integer rank, got {value!r}") from None
+
+
+def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
+    """Start sending ``splits[i]`` rows to rank i; the result is (output, received splits)."""
+    return _one(OpType.ALLTOALL, array, name, process_set, splits=splits)
+
+
+def alltoall(array, splits=None, name=None, process_set=global_process_set):
+    return synchronize(alltoall_async(array, splits, name, process_set))
+
+
+def reducescatter_async(array, op=Average, name=None, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    """Start reducing ``array`` and scattering its rows; low ranks get any extra row."""
+    return _one(OpType.REDUCESCATTER, array, name, process_set,
+                op=resolve_op(op, None), prescale=prescale_factor,
+                postscale=postscale_factor)
+
+
+def reducescatter(array, op=Average, name=None, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(reducescatter_async(array, op, name, process_set,
+                                           prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter_async(arrays, op=Average, name=None,
+                                process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    return _group(OpType.REDUCESCATTER, arrays, name, process_set,
+                  op=resolve_op(op, None), prescale=prescale_factor,
+                  postscale=postscale_factor)
+
+
+def grouped_reducescatter(arrays, op=Average, name=None,
+                          process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(grouped_reducescatter_async(arrays, op, name, process_set,
+                                                   prescale_factor, postscale_factor))
+
+
+def _control(kind, name, process_set, shape=()):
+    engine = basics.engine()
+    controller = _controller(engine, process_set)
+    request = Request(name, kind, controller.rank, shape=shape)
+    entry = Entry(request, None, None, None, Handle(name))
+    engine.enqueue_many(controller, [entry])
+    return entry.handle
+
+
+def barrier(process_set=global_process_set):
+    """Wait until every rank of the set has called barrier()."""
+    synchronize(_control(OpType.BARRIER, "barrier", process_set))
+
+
+def join():
+    """Declare this rank out of data; returns the rank that joined last.
+
+    Until every rank has joined, this rank contributes zeros to the other
+    ranks' allreduces (Average still divides by the full size).
+    """
+    return synchronize(_control(OpType.JOIN, "join", global_process_set))
+
+
+def change_process_sets(engine, action, shape):
+    controller = _controller(engine, global_process_set)
+    kind = OpType.ADD_PROCESS_SET if action == "add" else OpType.REMOVE_PROCESS_SET
+    return synchronize(_control(kind, controller.automatic_name(kind),
+                                global_process_set, shape))

@@ -1,0 +1,238 @@
+"""Start-up and shutdown, topology queries, build queries, process sets."""
+
+import atexit
+import dataclasses
+import threading
+
+from mpitrain import config as _config
+from mpitrain.errors import ShutdownError, not_initialized_error
+from mpitrain.process_sets import ProcessSet, global_process_set
+
+
+@dataclasses.dataclass
+class _State:
+    engine: object
+    topology: object
+    sets: dict            # process set id -> ProcessSet
+
+
+_state = None
+_init_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init(comm=None, process_sets=None):
+    """Start mpitrain on every rank; calling it again does nothing.
+
+    comm: None (MPI.COMM_WORLD), an mpi4py communicator, or a list of ranks.
+    process_sets: ProcessSet objects to register now, in the same order on
+    every rank ("dynamic" is accepted: sets can always be added later).
+    """
+    global _state, _atexit_registered
+    with _init_lock:
+        if _state is not None and not _state.engine.stopped:
+            return
+        if _state is not None:
+            _release(_state)
+            _state = None
+        config = _config.from_environ()
+        from mpitrain import topology
+        from mpitrain.engine import Engine, create_communicator
+        topo = topology.build(comm)
+        static = _static_sets(process_sets, topo)
+        engine = Engine(topo, config)
+        global_process_set.ranks = list(range(topo.size))
+        global_process_set._attach(0, topo.rank)
+        engine.add_set(0, global_process_set.ranks, topo.comm)
+        sets = {0: global_process_set}
+        for set_id, process_set in enumerate(static, start=1):
+            engine.add_set(set_id, process_set.ranks,
+                           create_communicator(topo.comm, process_set.ranks))
+            process_set._attach(set_id, topo.rank)
+            sets[set_id] = process_set
+        engine.start()
+        _state = _State(engine, topo, sets)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def _static_sets(process_sets, topo):
+    if process_sets is None or process_sets == "dynamic":
+        return []
+    static = [p if isinstance(p, ProcessSet) else ProcessSet(p) for p in process_sets]
+    seen = [tuple(range(topo.size))]
+    for process_set in static:
+        _check_ranks(process_set.ranks, topo.size)
+        if tuple(process_set.ranks) in seen:
+            raise ValueError(f"init(process_sets=...): {process_set.ranks} is "
+                             "registered twice (the job-wide set has every rank)")
+        seen.append(tuple(process_set.ranks))
+    everyone = topo.comm.allgather(seen)
+    if any(other != seen for other in everyone):
+        raise ValueError(
+            "init(process_sets=...) must list the same sets on every rank; got "
+            + "; ".join(f"rank {r}: {s[1:]}" for r, s in enumerate(everyone)))
+    return static
+
+
+def _check_ranks(ranks, size):
+    if not ranks:
+        raise ValueError("a process set needs at least one rank")
+    if ranks[-1] >= size:
+        raise ValueError(f"process set {ranks} names ranks beyond the job's "
+                         f"{size} ranks (0..{size - 1})")
+
+
+def shutdown():
+    """Stop the engine on this rank; pending operations on every rank fail."""
+    global _state
+    with _init_lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    state.engine.stop(f"shutdown() was called on rank {state.topology.rank}")
+    _release(state)
+
+
+def _release(state):
+    for process_set in state.sets.values():
+        process_set._detach()
+    if state.engine.clean_stop:
+        for controller in state.engine.controllers.values():
+            controller.channel.comm.Free()
+
+
+def is_initialized():
+    return _state is not None and not _state.engine.stopped
+
+
+def engine():
+    """The running engine; raises when mpitrain is not initialized or stopped."""
+    state = _state
+    if state is None:
+        raise not_initialized_error()
+    if state.engine.stopped:
+        raise ShutdownError(state.engine.stopped_reason)
+    return state.engine
+
+
+def _topology():
+    if _state is None:
+        raise not_initialized_error()
+    return _state.topology
+
+
+def rank():
+    return _topology().rank
+
+
+def size():
+    return _topology().size
+
+
+def local_rank():
+    return _topology().local_rank
+
+
+def local_size():
+    return _topology().local_size
+
+
+def cross_rank():
+    return _topology().cross_rank
+
+
+def cross_size():
+    return _topology().cross_size
+
+
+def is_homogeneous():
+    return _topology().homogeneous
+
+
+def mpi_threads_supported():
+    return _topology().threads_multiple
+
+
+def mpi_enabled():
+    _topology()
+    return True
+
+
+def mpi_built():
+    return True
+
+
+def gloo_enabled():
+    return False
+
+
+def gloo_built():
+    return False
+
+
+def nccl_built():
+    return 0
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Start writing a timeline on rank 0 (other ranks ignore the call)."""
+    running = engine()
+    if _state.topology.rank == 0:
+        from mpitrain.timeline import Timeline
+        running.set_timeline(Timeline(file_path, mark_cycles))
+
+
+def stop_timeline():
+    engine().set_timeline(None)
+
+
+def add_process_set(process_set):
+    """Register a new process set; every rank must call this in the same order."""
+    from mpitrain import array_ops
+    running = engine()
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set!r} is already registered")
+    _check_ranks(process_set.ranks, _state.topology.size)
+    for existing in _state.sets.values():
+        if existing.ranks == process_set.ranks:
+            raise ValueError(f"a process set with ranks {process_set.ranks} is "
+                             f"already registered: {existing!r}")
+    set_id = array_ops.change_process_sets(running, "add", tuple(process_set.ranks))
+    process_set._attach(set_id, _state.topology.rank)
+    _state.sets[set_id] = process_set
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Unregister a process set on every rank; its pending operations fail."""
+    from mpitrain import array_ops
+    running = engine()
+    set_id = process_set.process_set_id
+    if set_id is None or _state.sets.get(set_id) is not process_set:
+        raise ValueError(f"{process_set!r} is not registered")
+    if set_id == 0:
+        raise ValueError("the job-wide process set cannot be removed")
+    array_ops.change_process_sets(running, "remove", (set_id,))
+    del _state.sets[set_id]
+    process_set._detach()
+    return True

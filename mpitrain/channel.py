@@ -1,0 +1,131 @@
+"""MPI calls on one communicator, written once for two modes.
+
+Each method is a generator: ``result = yield from channel.method(...)``. A
+blocking channel (the job-wide process set) makes the blocking MPI call and
+yields nothing; a non-blocking channel (any other process set) starts the
+non-blocking call and yields its requests until the engine sees them done.
+Only one communicator may block: a rank blocked on one communicator while
+its peer blocks on another would deadlock.
+"""
+
+import pickle
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.ops import ReduceOp
+
+CHUNK_BYTES = 4 * 1024 * 1024   # Open MPI reduces 1-16 MiB faster per byte than larger calls
+
+MPI_OPS = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM,
+           ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+           ReduceOp.PRODUCT: MPI.PROD}
+
+_MPI_TYPES = {np.dtype(t): m for t, m in [
+    (np.uint8, MPI.UINT8_T), (np.int8, MPI.INT8_T), (np.uint16, MPI.UINT16_T),
+    (np.int16, MPI.INT16_T), (np.int32, MPI.INT32_T), (np.int64, MPI.INT64_T),
+    (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE)]}
+
+
+def as_bytes(array):
+    return array.reshape(-1).view(np.uint8)
+
+
+class Channel:
+    def __init__(self, comm, blocking):
+        self.comm = comm
+        self.blocking = blocking
+        self.rank = comm.rank
+        self.size = comm.size
+
+    def round(self, vector):
+        """The control round: always non-blocking, so an idle rank can sleep."""
+        yield self.comm.Iallreduce(MPI.IN_PLACE, vector, MPI.BAND)
+
+    def allreduce(self, buffer, op):
+        """Reduce a 1-D buffer in place, in chunks of about CHUNK_BYTES."""
+        mpi_op = MPI_OPS[op]
+        mpi_type = _MPI_TYPES[buffer.dtype]
+        step = max(1, CHUNK_BYTES // buffer.itemsize)
+        chunks = [buffer[i:i + step] for i in range(0, max(buffer.size, 1), step)]
+        if self.blocking:
+            for chunk in chunks:
+                self.comm.Allreduce(MPI.IN_PLACE, [chunk, mpi_type], mpi_op)
+            return
+        yield [self.comm.Iallreduce(MPI.IN_PLACE, [chunk, mpi_type], mpi_op)
+               for chunk in chunks]
+
+    def allgatherv(self, send, receive, counts):
+        """Gather byte views; counts are bytes per rank."""
+        spec = [receive, counts, None, MPI.BYTE]
+        if self.blocking:
+            self.comm.Allgatherv([send, MPI.BYTE], spec)
+            return
+        yield self.comm.Iallgatherv([send, MPI.BYTE], spec)
+
+    def bcast(self, buffer, root):
+        if self.blocking:
+            self.comm.Bcast([buffer, MPI.BYTE], root)
+            return
+        yield self.comm.Ibcast([buffer, MPI.BYTE], root)
+
+    def alltoall(self, send, receive):
+        """Exchange one int64 per rank pair."""
+        if self.blocking:
+            self.comm.Alltoall(send, receive)
+            return
+        yield self.comm.Ialltoall(send, receive)
+
+    def alltoallv(self, send, send_counts, receive, receive_counts):
+        """Exchange byte views; counts are bytes per rank."""
+        send_spec = [send, send_counts, None, MPI.BYTE]
+        receive_spec = [receive, receive_counts, None, MPI.BYTE]
+        if self.blocking:
+            self.comm.Alltoallv(send_spec, receive_spec)
+            return
+        yield self.comm.Ialltoallv(send_spec, receive_spec)
+
+    def reduce_scatter(self, send, receive, counts, op):
+        """counts are elements per rank."""
+        mpi_type = _MPI_TYPES[send.dtype]
+        args = ([send, mpi_type], [receive, mpi_type], counts, MPI_OPS[op])
+        if self.blocking:
+            self.comm.Reduce_scatter(*args)
+            return
+        yield self.comm.Ireduce_scatter(*args)
+
+    def gather_objects(self, obj):
+        """Gather picklable objects to rank 0; other ranks get None."""
+        if self.blocking:
+            return self.comm.gather(obj, root=0)
+        data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        yield self.comm.Igather(np.array([data.size], dtype=np.int64), sizes, root=0)
+        if self.rank != 0:
+            yield self.comm.Igatherv([data, MPI.BYTE], None, root=0)
+            return None
+        received = np.empty(int(sizes.sum()), dtype=np.uint8)
+        yield self.comm.Igatherv([data, MPI.BYTE],
+                                 [received, sizes.tolist(), None, MPI.BYTE], root=0)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(received[offsets[i]:offsets[i + 1]])
+                for i in range(self.size)]
+
+    def bcast_object(self, obj):
+        """Broadcast a picklable object from rank 0."""
+        if self.blocking:
+            return self.comm.bcast(obj, root=0)
+        data = (np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+                if self.rank == 0 else None)
+        size = np.array([0 if data is None else data.size], dtype=np.int64)
+        yield self.comm.Ibcast(size, root=0)
+        if data is None:
+            data = np.empty(int(size[0]), dtype=np.uint8)
+        yield self.comm.Ibcast([data, MPI.BYTE], root=0)
+        return pickle.loads(data)
+
+    def allgather_objects(self, obj):
+        """Every rank's object, on every rank (job-wide channel only)."""
+        assert self.blocking, "allgather_objects runs on the blocking channel"
+        return self.comm.allgather(obj)
+        yield  # a generator like the other methods

@@ -1,0 +1,190 @@
+"""Executing responses: packing, the MPI call, scaling and unpacking.
+
+Every rank runs the same responses in the same order. ``entries`` maps a
+name to this rank's submission; a joined rank has none for an allreduce and
+contributes zeros.
+"""
+
+import math
+
+import numpy as np
+
+from mpitrain import dtypes
+from mpitrain.channel import as_bytes
+from mpitrain.ops import OpType, ReduceOp
+
+
+class Executor:
+    def __init__(self, channel, buffers, finish, timeline):
+        self.channel = channel
+        self.buffers = buffers
+        self.finish = finish          # finish(entry, value)
+        self.timeline = timeline      # holder with .current: Timeline or None
+
+    def run(self, group, entries):
+        kind = group[0].kind
+        if kind == OpType.ALLREDUCE:
+            yield from self._traced(group, "ALLREDUCE", self._allreduce(group, entries))
+            return
+        response = group[0]
+        entry = entries[response.name]
+        body = {OpType.ALLGATHER: self._allgather,
+                OpType.BROADCAST: self._broadcast,
+                OpType.ALLTOALL: self._alltoall,
+                OpType.REDUCESCATTER: self._reducescatter}[kind]
+        yield from self._traced(group, kind.name, body(response, entry))
+
+    def _traced(self, group, label, body):
+        timeline = self.timeline.current
+        if timeline is None:
+            yield from body
+            return
+        names = [r.name for r in group]
+        timeline.begin(names, label)
+        yield from body
+        timeline.end(names)
+
+    def _activity(self, names, label, body):
+        timeline = self.timeline.current
+        if timeline is not None:
+            timeline.begin(names, label)
+        yield from body
+        if timeline is not None:
+            timeline.end(names)
+
+    def _scale_after(self, response):
+        """The factor applied after the reduction; Average divides by size."""
+        factor = response.postscale
+        if response.op == ReduceOp.AVERAGE:
+            factor /= self.channel.size
+        return factor
+
+    def _allreduce(self, group, entries):
+        first = group[0]
+        dtype = dtypes.BY_CODE[first.dtype]
+        wire = dtype.reduce_as
+        factor = self._scale_after(first)
+        members = [(r, entries.get(r.name)) for r in group]
+        entry = members[0][1]
+        if (len(group) == 1 and entry is not None and entry.dtype is dtype
+                and dtype.numpy == wire):
+            yield from self._allreduce_alone(first, entry, factor)
+            return
+        counts = [math.prod(r.shape) for r in group]
+        buffer = self.buffers.get(wire, sum(counts))
+        names = [r.name for r in group]
+        timeline = self.timeline.current
+        if timeline is not None:
+            timeline.begin(names, "MEMCPY_IN_FUSION_BUFFER")
+        offset = 0
+        for (response, member), count in zip(members, counts):
+            view = buffer[offset:offset + count].reshape(response.shape)
+            offset += count
+            if member is None:
+                view.fill(0)
+            else:
+                scale_into(member.input, first.prescale, view)
+        if timeline is not None:
+            timeline.end(names)
+        yield from self._activity(names, "MPI_ALLREDUCE",
+                                  self.channel.allreduce(buffer, first.op))
+        if timeline is not None:
+            timeline.begin(names, "MEMCPY_OUT_FUSION_BUFFER")
+        offset = 0
+        for (response, member), count in zip(members, counts):
+            view = buffer[offset:offset + count].reshape(response.shape)
+            offset += count
+            if member is None:
+                continue
+            output = member.output
+            if output is None:
+                output = np.empty(response.shape, dtype=member.dtype.numpy)
+            scale_into(view, factor, output)
+            self.finish(member, output)
+        if timeline is not None:
+            timeline.end(names)
+
+    def _allreduce_alone(self, response, entry, factor):
+        """One tensor: reduce in its output directly, without the fusion buffer."""
+        output = entry.output
+        if output is not None and not output.flags.c_contiguous:
+            output = None
+        if output is None:
+            output = np.empty(response.shape, dtype=entry.dtype.numpy)
+        if output is not entry.input or response.prescale != 1.0:
+            scale_into(entry.input, response.prescale, output)
+        yield from self.channel.allreduce(output.reshape(-1), response.op)
+        if factor != 1.0:
+            scale_into(output, factor, output)
+        if entry.output is not None and output is not entry.output:
+            np.copyto(entry.output, output)
+            output = entry.output
+        self.finish(entry, output)
+
+    def _allgather(self, response, entry):
+        row = math.prod(response.shape) * entry.dtype.numpy.itemsize
+        output = np.empty((sum(response.first_dims),) + response.shape,
+                          dtype=entry.dtype.numpy)
+        send = np.ascontiguousarray(entry.input)
+        yield from self.channel.allgatherv(
+            as_bytes(send), as_bytes(output), [d * row for d in response.first_dims])
+        self.finish(entry, output)
+
+    def _broadcast(self, response, entry):
+        root = response.root == self.channel.rank
+        target = entry.output
+        if target is None:
+            target = entry.input.copy() if root else np.empty(
+                response.shape, dtype=entry.dtype.numpy)
+        elif root and target is not entry.input:
+            np.copyto(target, entry.input)
+        staging = target if target.flags.c_contiguous else np.ascontiguousarray(target)
+        yield from self.channel.bcast(as_bytes(staging), response.root)
+        if staging is not target:
+            np.copyto(target, staging)
+        self.finish(entry, target)
+
+    def _alltoall(self, response, entry):
+        send_rows = entry.splits
+        receive_rows = np.empty_like(send_rows)
+        yield from self.channel.alltoall(send_rows, receive_rows)
+        trailing = entry.input.shape[1:]
+        row = math.prod(trailing) * entry.dtype.numpy.itemsize
+        output = np.empty((int(receive_rows.sum()),) + trailing, dtype=entry.dtype.numpy)
+        send = np.ascontiguousarray(entry.input)
+        yield from self.channel.alltoallv(
+            as_bytes(send), (send_rows * row).tolist(),
+            as_bytes(output), (receive_rows * row).tolist())
+        self.finish(entry, (output, receive_rows))
+
+    def _reducescatter(self, response, entry):
+        dtype = entry.dtype
+        wire = dtype.reduce_as
+        rows = scatter_rows(response.shape[0], self.channel.size)
+        row = math.prod(response.shape[1:])
+        counts = [n * row for n in rows]
+        send = self.buffers.get(wire, sum(counts)).reshape(response.shape)
+        scale_into(entry.input, response.prescale, send)
+        received = np.empty(counts[self.channel.rank], dtype=wire)
+        yield from self.channel.reduce_scatter(send.reshape(-1), received, counts,
+                                               response.op)
+        output = np.empty((rows[self.channel.rank],) + response.shape[1:],
+                          dtype=dtype.numpy)
+        scale_into(received.reshape(output.shape), self._scale_after(response), output)
+        self.finish(entry, output)
+
+
+def scale_into(source, factor, out):
+    """out = source * factor, computed in the wider float type, cast to out."""
+    if factor == 1.0:
+        np.copyto(out, source, casting="unsafe")
+    elif out.dtype.kind == "f" and out.dtype.itemsize > source.dtype.itemsize:
+        np.multiply(source, factor, out=out, dtype=out.dtype, casting="unsafe")
+    else:
+        np.multiply(source, factor, out=out, casting="unsafe")
+
+
+def scatter_rows(first_dim, size):
+    """Rows each rank receives from reducescatter: even, extras to low ranks."""
+    base, extra = divmod(first_dim, size)
+    return [base + (1 if rank < extra else 0) for rank in range(size)]

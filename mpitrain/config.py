@@ -1,0 +1,97 @@
+"""Every runtime knob: MPITRAIN_* environment variables, HOROVOD_* aliases."""
+
+import dataclasses
+import os
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    fusion_threshold: int = 64 * MiB       # bytes of allreduce fused per call
+    cycle_time_ms: float = 1.0             # pause after a round that found nothing ready
+    cache_capacity: int = 1024             # response-cache entries; 0 disables it
+    stall_check_disable: bool = False
+    stall_check_time: float = 60.0         # seconds before a stall warning
+    # Horovod's default (0, never) leaves hung jobs holding machines forever.
+    stall_shutdown_time: float = 600.0     # seconds before a stall ends the job; 0 never
+    timeline: str = ""                     # Chrome-trace file written by rank 0
+    timeline_mark_cycles: bool = False
+
+
+def _nonnegative_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError
+    return value
+
+
+def _nonnegative_float(text):
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError
+    return value
+
+
+def _flag(text):
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError
+
+
+_VARIABLES = {
+    # field: (suffix, parser, what it accepts)
+    "fusion_threshold": ("FUSION_THRESHOLD", _nonnegative_int,
+                         "a whole number of bytes >= 0 (0 disables fusion)"),
+    "cycle_time_ms": ("CYCLE_TIME", _nonnegative_float,
+                      "a number of milliseconds >= 0"),
+    "cache_capacity": ("CACHE_CAPACITY", _nonnegative_int,
+                       "a whole number of entries >= 0 (0 disables the cache)"),
+    "stall_check_disable": ("STALL_CHECK_DISABLE", _flag, "0 or 1"),
+    "stall_check_time": ("STALL_CHECK_TIME_SECONDS", _positive_float,
+                         "a number of seconds > 0"),
+    "stall_shutdown_time": ("STALL_SHUTDOWN_TIME_SECONDS", _nonnegative_float,
+                            "a number of seconds >= 0 (0 never shuts down)"),
+    "timeline": ("TIMELINE", str, "a file path"),
+    "timeline_mark_cycles": ("TIMELINE_MARK_CYCLES", _flag, "0 or 1"),
+}
+
+
+def read_variable(environ, suffix):
+    """Return (variable name, text) of MPITRAIN_<suffix>, else HOROVOD_<suffix>."""
+    for prefix in ("MPITRAIN_", "HOROVOD_"):
+        name = prefix + suffix
+        if name in environ:
+            return name, environ[name]
+    return None, None
+
+
+def from_environ(environ=None):
+    """Build the Config from the environment; a bad value is a ValueError."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for field, (suffix, parse, accepts) in _VARIABLES.items():
+        name, text = read_variable(environ, suffix)
+        if name is None:
+            continue
+        try:
+            values[field] = parse(text)
+        except ValueError:
+            raise ValueError(
+                f"{name}={text!r} is not valid: it accepts {accepts}") from None
+    return Config(**values)
+
+
+def variable_names():
+    """The MPITRAIN_* names this module reads, for documentation and tests."""
+    return ["MPITRAIN_" + suffix for suffix, _, _ in _VARIABLES.values()]

@@ -1,0 +1,286 @@
+"""One process set's negotiation: rounds, the response cache, execution.
+
+A round starts when this rank has work (or, idle, once per heartbeat, so the
+coordinator hears from every rank). All members contribute a control vector
+to one bitwise AND; cached requests that every rank has ready run at once.
+Only when some rank has a request the cache cannot serve do the requests
+travel to the coordinator (rank 0 of the set) and responses come back.
+"""
+
+import time
+
+from mpi4py import MPI
+
+from mpitrain import control, fusion
+from mpitrain.cache import CACHEABLE, HIT, INVALID, ResponseCache
+from mpitrain.channel import Channel
+from mpitrain.collectives import Executor
+from mpitrain.coordinator import Coordinator
+from mpitrain.entries import CACHED, QUEUED, SENT
+from mpitrain.errors import ERROR_CLASSES, MpitrainInternalError
+from mpitrain.handles import notify_waiters
+from mpitrain.ops import OpType
+from mpitrain.stall import StallInspector
+
+HEARTBEAT = 1.0          # seconds between rounds of an idle rank
+
+
+class EngineStopped(Exception):
+    """Raised inside a round when the job-wide engine must stop."""
+
+
+class SetController:
+    def __init__(self, engine, set_id, ranks, comm, blocking):
+        self.engine = engine
+        self.set_id = set_id
+        self.channel = Channel(comm, blocking)
+        self.rank = comm.rank
+        self.size = comm.size
+        config = engine.config
+        self.cycle_time = config.cycle_time_ms / 1000.0
+        self.fusion_threshold = config.fusion_threshold
+        self.stall_after = (None if config.stall_check_disable
+                            else config.stall_check_time)
+        self.cache = ResponseCache(config.cache_capacity)
+        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self.stall = StallInspector(config, ranks) if self.rank == 0 else None
+        self.buffers = fusion.FusionBuffers()
+        self.executor = Executor(self.channel, self.buffers, self._finish,
+                                 engine.timeline)
+        self.in_flight = {}           # name -> Entry; user threads add under engine.lock
+        self.incoming = []            # entries not yet seen by the engine
+        self.pending = {}             # name -> Entry the engine is negotiating
+        self.joined = False
+        self.any_joined = False
+        self.counters = {}            # automatic names: kind -> next number
+        self.coroutine = None
+        self.waiting_on = ()
+        self.wait_started = 0.0
+        self.last_round_start = float("-inf")
+        self.last_round_end = float("-inf")
+        self.progressed = False
+
+    # -- called by the engine thread ---------------------------------------
+
+    def has_work(self):
+        return bool(self.incoming or self.pending
+                    or (self.channel.blocking and self.engine.stop_requested))
+
+    def next_start(self):
+        """When the next round should start, if none is running."""
+        if not self.has_work():
+            return self.last_round_end + HEARTBEAT
+        if self.progressed:
+            return 0.0
+        return self.last_round_start + self.cycle_time
+
+    def advance(self, now):
+        """Run this set's round as far as it can go without waiting."""
+        if self.coroutine is None:
+            if now < self.next_start():
+                return
+            self.coroutine = self._round()
+            self._resume()
+        while self.coroutine is not None and MPI.Request.Testall(self.waiting_on):
+            self._resume()
+
+    def _resume(self):
+        try:
+            waiting = self.coroutine.send(None)
+        except StopIteration:
+            self.coroutine = None
+            self.waiting_on = ()
+            self.last_round_end = time.monotonic()
+            return
+        self.waiting_on = waiting if isinstance(waiting, list) else [waiting]
+        self.wait_started = time.monotonic()
+
+    def fail_all(self, error):
+        for entry in list(self.pending.values()) + self.incoming:
+            self._fail(entry, error)
+        self.pending.clear()
+        self.incoming.clear()
+        self.in_flight.clear()
+
+    # -- one round -----------------------------------------------------------
+
+    def _round(self):
+        engine = self.engine
+        now = time.monotonic()
+        self.last_round_start = now
+        timeline = engine.timeline.current
+        with engine.lock:
+            new, self.incoming = self.incoming, []
+        for entry in new:
+            self.pending[entry.request.name] = entry
+            if entry.request.kind == OpType.JOIN:
+                self.joined = True
+            if timeline is not None and entry.handle is not None:
+                timeline.begin([entry.request.name],
+                               "NEGOTIATE_" + entry.request.kind.name, entry.enqueued)
+        if timeline is not None:
+            timeline.cycle_start()
+
+        status = 0
+        ready, invalid, uncached = self._classify(now)
+        submitted = ready
+        if self.joined:
+            status |= control.JOINED
+            ready |= self._allreduce_slots()
+        if uncached:
+            status |= control.UNCACHED
+        if self.channel.blocking and engine.stop_requested:
+            status |= control.SHUTDOWN
+        nbits = self.cache.nbits
+        vector = control.encode(status, ready, invalid, submitted, nbits)
+        yield from self.channel.round(vector)
+        status, ready, invalid, submitted = control.decode(vector, nbits)
+
+        if status & control.SHUTDOWN:
+            reason = yield from engine.agree_to_stop(self.channel)
+            raise EngineStopped(reason)
+        self.any_joined = bool(status & control.JOINED)
+        responses = []
+        for slot in control.bits(ready & submitted):
+            responses.append(self.cache.response(slot))
+            self.cache.touch(slot)
+        for slot in control.bits(invalid):
+            self.cache.erase(slot)
+        if status & control.UNCACHED:
+            fresh = yield from self._negotiate(uncached, now)
+            if not status & control.JOINED:
+                for response in fresh:
+                    entry = self.pending.get(response.name)
+                    if response.kind in CACHEABLE and entry is not None:
+                        self.cache.put(response, entry.signature)
+            responses.extend(fresh)
+        if self.coordinator is not None:
+            report = self.stall.check(time.monotonic(), self.coordinator.waiting(),
+                                      self.coordinator.joined)
+            if report:
+                engine.request_stop(report)
+        self.progressed = bool(responses)
+        if responses:
+            yield from self._execute(responses)
+
+    def _classify(self, now):
+        """Sort pending entries into cache hits, invalid slots and uncached."""
+        ready = invalid = 0
+        uncached = []
+        cache = self.cache
+        for entry in self.pending.values():
+            if entry.state == SENT:
+                continue
+            kind = entry.request.kind
+            use_cache = (kind in CACHEABLE and not entry.request.error
+                         and not (self.any_joined and kind != OpType.ALLREDUCE))
+            if entry.state == CACHED:
+                result, slot = cache.lookup(entry.request.name, entry.signature)
+                if not use_cache or result != HIT:
+                    entry.state = QUEUED
+            if entry.state == QUEUED:
+                if use_cache:
+                    result, slot = cache.lookup(entry.request.name, entry.signature)
+                    if result == INVALID:
+                        invalid |= 1 << slot
+                        continue
+                    if result == HIT:
+                        entry.state = CACHED
+                        entry.slot = slot
+                if entry.state == QUEUED:
+                    uncached.append(entry)
+                    continue
+            if self.stall_after is not None and now - entry.enqueued > self.stall_after:
+                # Route a long-stalled cached tensor through the coordinator,
+                # whose stall inspector can name the ranks that are missing.
+                invalid |= 1 << entry.slot
+            else:
+                ready |= 1 << entry.slot
+        return ready, invalid, uncached
+
+    def _allreduce_slots(self):
+        """A joined rank is ready for every cached allreduce: it sends zeros."""
+        mask = 0
+        for slot in self.cache.occupied():
+            if self.cache.kind(slot) == OpType.ALLREDUCE:
+                mask |= 1 << slot
+        return mask
+
+    def _negotiate(self, uncached, now):
+        """Send uncached requests to the coordinator; get responses back."""
+        requests = []
+        for entry in uncached:
+            entry.state = SENT
+            entry.request.age = now - entry.enqueued
+            requests.append(entry.request)
+        gathered = yield from self.channel.gather_objects(requests)
+        responses = None
+        if self.coordinator is not None:
+            timeline = self.engine.timeline.current
+            if timeline is not None:
+                for requests_of_rank in gathered:
+                    for request in requests_of_rank:
+                        timeline.mark(request.name, f"rank {request.rank} ready")
+            responses = self.coordinator.receive(gathered, time.monotonic())
+        responses = yield from self.channel.bcast_object(responses)
+        return responses
+
+    def _execute(self, responses):
+        timeline = self.engine.timeline.current
+        entries = self.pending
+        if timeline is not None:
+            timeline.end([r.name for r in responses if r.name in entries
+                          and entries[r.name].handle is not None])
+        for group in fusion.plan(responses, self.fusion_threshold):
+            response = group[0]
+            kind = response.kind
+            if kind == OpType.ERROR:
+                entry = entries.get(response.name)
+                if entry is not None:    # a joined rank submitted nothing
+                    error_class = ERROR_CLASSES.get(response.error_kind,
+                                                    MpitrainInternalError)
+                    self._fail(entry, error_class(response.error))
+            elif kind == OpType.BARRIER:
+                self._finish(entries[response.name], None)
+            elif kind == OpType.JOIN:
+                self.joined = False
+                self._finish(entries[response.name], response.last_joined_rank)
+            elif kind in (OpType.ADD_PROCESS_SET, OpType.REMOVE_PROCESS_SET):
+                result = self.engine.change_process_sets(response)
+                self._finish(entries[response.name], result)
+            else:
+                yield from self.executor.run(group, entries)
+        notify_waiters()
+
+    # -- completing entries ---------------------------------------------------
+
+    def _retire(self, entry):
+        name = entry.request.name
+        self.pending.pop(name, None)
+        successor = entry.successor
+        with self.engine.lock:
+            if successor is None:
+                self.in_flight.pop(name, None)
+            else:
+                self.in_flight[name] = successor
+                self.incoming.append(successor)
+
+    def _finish(self, entry, value):
+        self._retire(entry)
+        if entry.handle is not None:
+            entry.handle.set_result(value)
+
+    def _fail(self, entry, error):
+        self._retire(entry)
+        if entry.handle is not None:
+            entry.handle.set_error(error)
+
+    # -- called by user threads ----------------------------------------------
+
+    def automatic_name(self, kind):
+        """Names of unnamed calls count per kind: ranks must make the same calls."""
+        with self.engine.lock:
+            number = self.counters.get(kind, 0)
+            self.counters[kind] = number + 1
+        return f"{kind.label}.noname.{number}"
+

@@ -1,0 +1,51 @@
+"""The element types mpitrain moves, and how each one is reduced."""
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from mpitrain.errors import CollectiveTypeError
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    code: int
+    numpy: np.dtype
+    # MPI has no 16-bit float type that every library reduces, so 16-bit
+    # floats are accumulated in float32 and rounded once at the end.
+    reduce_as: np.dtype
+
+    @property
+    def name(self):
+        return self.numpy.name
+
+
+_SUPPORTED = [np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64,
+              np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+_WIDENED = {np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
+
+BY_CODE = []
+_BY_NUMPY = {}
+for _code, _t in enumerate(_SUPPORTED):
+    _np = np.dtype(_t)
+    _entry = DType(_code, _np,
+                   np.dtype(np.float32) if _np in _WIDENED else _np)
+    BY_CODE.append(_entry)
+    _BY_NUMPY[_np] = _entry
+
+SUPPORTED_NAMES = ", ".join(d.name for d in BY_CODE)
+
+
+def lookup(dtype):
+    """Return the DType of a numpy dtype, or None when mpitrain cannot move it."""
+    return _BY_NUMPY.get(dtype)
+
+
+def require(dtype, what):
+    entry = lookup(dtype)
+    if entry is None:
+        raise CollectiveTypeError(
+            f"{what}: unsupported dtype {np.dtype(dtype)}; "
+            f"mpitrain supports {SUPPORTED_NAMES}")
+    return entry

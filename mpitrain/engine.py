@@ -1,0 +1,222 @@
+"""The engine: one background thread that makes every MPI call of mpitrain.
+
+User and framework threads only enqueue entries and wait on handles. The
+thread advances each process set's round as far as MPI lets it, then sleeps
+until a round is due, a request may have completed, or new work arrives: it
+never spins while it waits.
+"""
+
+import logging
+import threading
+import time
+import traceback
+
+from mpi4py import MPI
+
+from mpitrain.controller import EngineStopped, SetController
+from mpitrain.errors import ShutdownError
+from mpitrain.handles import notify_waiters
+from mpitrain.ops import OpType
+from mpitrain.timeline import Timeline
+
+log = logging.getLogger("mpitrain")
+
+_POLL_MIN = 50e-6     # seconds between tests of a pending MPI request ...
+_POLL_MAX = 10e-3     # ... growing with the wait, to stay within ~10% of it
+STOP_TIMEOUT = 30.0   # how long shutdown() waits for the other ranks to agree
+
+
+class TimelineHolder:
+    """The timeline in use, replaced at run time by start/stop_timeline."""
+
+    def __init__(self):
+        self.current = None
+
+
+class Engine:
+    def __init__(self, topology, config):
+        self.topology = topology
+        self.config = config
+        self.lock = threading.Condition(threading.Lock())
+        self.timeline = TimelineHolder()
+        self.controllers = {}          # process set id -> SetController (member sets)
+        self.set_ranks = {}            # process set id -> ranks, for every registered set
+        self.stop_requested = False
+        self.stop_reason = None        # why this rank asked to stop
+        self.stopped = False
+        self.stopped_reason = None     # why the engine stopped, as users see it
+        self.clean_stop = False        # every rank agreed to stop
+        self._sleeping = False
+        self._thread = threading.Thread(target=self._run, name="mpitrain-engine",
+                                        daemon=True)
+
+    # -- set-up, from the thread that calls init() ----------------------------
+
+    def add_set(self, set_id, ranks, comm):
+        """Register a process set; comm is None where this rank is not a member."""
+        controller = (None if comm is None else
+                      SetController(self, set_id, ranks, comm, blocking=(set_id == 0)))
+        with self.lock:
+            self.set_ranks[set_id] = tuple(ranks)
+            if controller is not None:
+                self.controllers[set_id] = controller
+
+    def start(self):
+        path = self.config.timeline
+        if path and path.upper() != "DYNAMIC" and self.topology.rank == 0:
+            self.timeline.current = Timeline(path, self.config.timeline_mark_cycles)
+        self._thread.start()
+
+    # -- called by user threads ------------------------------------------------
+
+    def enqueue_many(self, controller, entries):
+        """Hand entries to the engine at once, so one round sees them all.
+
+        A name still in flight is a ValueError, unless it belongs to an entry
+        that already failed locally: the new one then waits behind it.
+        """
+        with self.lock:
+            if self.stopped:
+                raise ShutdownError(self.stopped_reason)
+            names = [entry.request.name for entry in entries]
+            for name in names:
+                existing = controller.in_flight.get(name)
+                if names.count(name) > 1 or (existing is not None and not (
+                        existing.handle is None and existing.successor is None)):
+                    raise ValueError(
+                        f"an operation named '{name}' is already in flight on this "
+                        f"rank (process set {controller.set_id}); synchronize it "
+                        "before reusing the name, or pick another name")
+            for name, entry in zip(names, entries):
+                existing = controller.in_flight.get(name)
+                if existing is not None:
+                    existing.successor = entry
+                else:
+                    controller.in_flight[name] = entry
+                    controller.incoming.append(entry)
+            if self._sleeping:
+                self.lock.notify()
+
+    def controller_for(self, set_id):
+        with self.lock:
+            if self.stopped:
+                raise ShutdownError(self.stopped_reason)
+            return self.controllers.get(set_id)
+
+    def request_stop(self, reason):
+        with self.lock:
+            if not self.stop_requested:
+                self.stop_requested = True
+                self.stop_reason = reason
+            self.lock.notify()
+
+    def stop(self, reason, timeout=STOP_TIMEOUT):
+        """Ask every rank to stop and wait for the engine thread to end."""
+        self.request_stop(reason)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("mpitrain: the other ranks did not answer the shutdown "
+                      "within %.0f s; stopping this rank's engine anyway", timeout)
+            self._finish(f"rank {self.topology.rank}: {reason}; the other ranks "
+                         "did not answer")
+
+    def set_timeline(self, timeline):
+        old, self.timeline.current = self.timeline.current, timeline
+        if old is not None:
+            old.close()
+
+    # -- the engine thread -------------------------------------------------------
+
+    def _run(self):
+        reason = None
+        try:
+            while not self.stopped:
+                now = time.monotonic()
+                for controller in list(self.controllers.values()):
+                    controller.advance(now)
+                    self._check_responsive(controller, now)
+                timeline = self.timeline.current
+                if timeline is not None:
+                    timeline.flush()
+                with self.lock:
+                    delay = self._sleep_time(time.monotonic())
+                    if delay > 0:
+                        self._sleeping = True
+                        self.lock.wait(delay)
+                        self._sleeping = False
+        except EngineStopped as stop:
+            reason = str(stop)
+        except BaseException:
+            reason = ("the mpitrain engine failed on rank "
+                      f"{self.topology.rank}:\n{traceback.format_exc()}")
+            log.error("%s", reason)
+        self._finish(reason)
+
+    def _sleep_time(self, now):
+        delay = float("inf")
+        for controller in self.controllers.values():
+            if controller.coroutine is not None:
+                waited = now - controller.wait_started
+                delay = min(delay, max(_POLL_MIN, min(_POLL_MAX, 0.1 * waited)))
+            else:
+                delay = min(delay, controller.next_start() - now)
+        return delay
+
+    def _check_responsive(self, controller, now):
+        limit = self.config.stall_shutdown_time
+        if controller.coroutine is None or not limit:
+            return
+        waited = now - controller.wait_started
+        if waited > limit:
+            raise EngineStopped(
+                f"rank {self.topology.rank} waited {waited:.0f} s for process set "
+                f"{controller.set_id}'s negotiation round: another rank's mpitrain "
+                "engine stopped answering (is its process frozen, or was it "
+                "killed?)")
+
+    def agree_to_stop(self, channel):
+        """Run on the job-wide round that saw a stop request: learn who and why."""
+        reasons = yield from channel.allgather_objects(self.stop_reason)
+        self.clean_stop = True
+        parts = [f"rank {rank}: {reason}" for rank, reason in enumerate(reasons)
+                 if reason]
+        return "mpitrain has been shut down (" + "; ".join(parts) + ")"
+
+    def _finish(self, reason):
+        with self.lock:
+            if self.stopped:
+                return
+            self.stopped = True
+            self.stopped_reason = reason or "mpitrain has been shut down"
+        error = ShutdownError(self.stopped_reason)
+        for controller in list(self.controllers.values()):
+            controller.fail_all(error)
+        notify_waiters()
+        self.set_timeline(None)
+
+    # -- process sets, executed by the job-wide controller in every rank's round --
+
+    def change_process_sets(self, response):
+        if response.kind == OpType.ADD_PROCESS_SET:
+            ranks = list(response.extra)
+            set_id = max(self.set_ranks) + 1
+            self.add_set(set_id, ranks, create_communicator(self.topology.comm, ranks))
+            return set_id
+        set_id = response.extra[0]
+        with self.lock:
+            controller = self.controllers.pop(set_id, None)
+            del self.set_ranks[set_id]
+        if controller is not None:
+            controller.fail_all(ShutdownError(f"process set {set_id} was removed"))
+            controller.channel.comm.Free()
+        return set_id
+
+
+def create_communicator(comm, ranks):
+    """A communicator of ``ranks`` (collective over ``comm``); None for others."""
+    group = comm.Get_group().Incl(ranks)
+    try:
+        created = comm.Create(group)
+    finally:
+        group.Free()
+    return None if created == MPI.COMM_NULL else created

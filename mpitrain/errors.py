@@ -1,0 +1,43 @@
+"""Exceptions that mpitrain raises."""
+
+
+class MpitrainInternalError(RuntimeError):
+    """A collective failed; Horovod users know this as HorovodInternalError."""
+
+
+HorovodInternalError = MpitrainInternalError
+
+
+class MismatchError(MpitrainInternalError):
+    """Ranks submitted the same tensor name with different parameters."""
+
+
+class CollectiveValueError(MpitrainInternalError, ValueError):
+    """An argument of a collective was invalid on at least one rank."""
+
+
+class CollectiveTypeError(MpitrainInternalError, TypeError):
+    """A tensor's dtype cannot travel through mpitrain."""
+
+
+class CollectiveNotImplementedError(MpitrainInternalError, NotImplementedError):
+    """The requested operation exists in Horovod but not in mpitrain."""
+
+
+class ShutdownError(MpitrainInternalError):
+    """The engine stopped: a rank shut down, a stall timed out, or MPI failed."""
+
+
+ERROR_CLASSES = {
+    "mismatch": MismatchError,
+    "value": CollectiveValueError,
+    "type": CollectiveTypeError,
+    "notimplemented": CollectiveNotImplementedError,
+    "shutdown": ShutdownError,
+}
+
+
+def not_initialized_error():
+    return ValueError(
+        "mpitrain has not been initialized; call mpitrain.init() "
+        "(or hvd.init()) first")

@@ -1,0 +1,56 @@
+"""The stall inspector: reports names that some ranks never submit."""
+
+import logging
+
+log = logging.getLogger("mpitrain")
+
+_NAMES_PER_RANK = 6
+
+
+class StallInspector:
+    def __init__(self, config, global_ranks):
+        self.disabled = config.stall_check_disable
+        self.warn_after = config.stall_check_time
+        self.shutdown_after = config.stall_shutdown_time
+        self.global_ranks = global_ranks     # set rank -> job rank
+        self._last_warning = None
+
+    def check(self, now, waiting, joined):
+        """Warn about stalled names; return a report when the job must stop.
+
+        waiting: name -> (first seen, set ranks that submitted it).
+        """
+        if self.disabled or not waiting:
+            return None
+        ages = {name: now - first for name, (first, _) in waiting.items()}
+        oldest = max(ages.values())
+        if self.shutdown_after and oldest >= self.shutdown_after:
+            return self.report(waiting, ages, joined, self.shutdown_after,
+                               "mpitrain is shutting down the job")
+        due = (self._last_warning is None
+               or now - self._last_warning >= self.warn_after)
+        if oldest >= self.warn_after and due:
+            self._last_warning = now
+            log.warning("%s", self.report(waiting, ages, joined, self.warn_after,
+                                          "this will deadlock if it goes on"))
+        return None
+
+    def report(self, waiting, ages, joined, threshold, consequence):
+        missing = {}
+        for name, (_, present) in waiting.items():
+            if ages[name] < threshold:
+                continue
+            for rank in range(len(self.global_ranks)):
+                if rank not in present and rank not in joined:
+                    missing.setdefault(rank, []).append(name)
+        lines = [
+            f"stall: operations have waited more than {threshold:g} s for other "
+            f"ranks; {consequence}. Usually some ranks submitted different "
+            "tensor names, or stopped submitting (an exception, a different "
+            "number of steps, a data-dependent branch). Missing ranks:"]
+        for rank, names in sorted(missing.items()):
+            shown = ", ".join(f"'{n}'" for n in names[:_NAMES_PER_RANK])
+            more = len(names) - _NAMES_PER_RANK
+            suffix = f" (+{more} more)" if more > 0 else ""
+            lines.append(f"  rank {self.global_ranks[rank]}: {shown}{suffix}")
+        return "\n".join(lines)

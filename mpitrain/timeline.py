@@ -1,0 +1,75 @@
+"""A Chrome-trace timeline of what the engine did, written by rank 0.
+
+Open the file in https://ui.perfetto.dev or chrome://tracing. Each tensor is
+a row; its spans show negotiation (enqueue to response), the operation, and
+the activities inside it (fusion copies, the MPI call). The file is valid
+JSON after every flush: each flush overwrites the closing bracket with the
+new events plus a new closing bracket, in one write.
+"""
+
+import json
+import os
+import time
+
+
+class Timeline:
+    def __init__(self, path, mark_cycles=False):
+        self.path = path
+        self.mark_cycles = mark_cycles
+        self._origin = time.monotonic()
+        self._rows = {}             # tensor name -> pid
+        self._events = []
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        header = {"name": "process_name", "ph": "M", "pid": 0,
+                  "args": {"name": "mpitrain"},
+                  "start_time_since_epoch_in_micros": int(time.time() * 1e6)}
+        data = ("[\n" + json.dumps(header) + "\n]").encode()
+        os.write(self._fd, data)
+        self._end = len(data) - 1    # offset of the closing bracket
+
+    def _ts(self, when=None):
+        return round(((time.monotonic() if when is None else when)
+                      - self._origin) * 1e6, 3)
+
+    def _row(self, name):
+        pid = self._rows.get(name)
+        if pid is None:
+            pid = self._rows[name] = len(self._rows) + 1
+            self._events.append({"name": "process_name", "ph": "M", "pid": pid,
+                                 "args": {"name": name}})
+            self._events.append({"name": "process_sort_index", "ph": "M",
+                                 "pid": pid, "args": {"sort_index": pid}})
+        return pid
+
+    def begin(self, names, activity, when=None):
+        ts = self._ts(when)
+        for name in names:
+            self._events.append({"name": activity, "ph": "B", "ts": ts,
+                                 "pid": self._row(name), "tid": 0})
+
+    def end(self, names, when=None):
+        ts = self._ts(when)
+        for name in names:
+            self._events.append({"ph": "E", "ts": ts, "pid": self._row(name), "tid": 0})
+
+    def mark(self, name, label):
+        self._events.append({"name": label, "ph": "i", "s": "p", "ts": self._ts(),
+                             "pid": self._row(name), "tid": 0})
+
+    def cycle_start(self):
+        if self.mark_cycles:
+            self._events.append({"name": "CYCLE_START", "ph": "i", "s": "g",
+                                 "ts": self._ts(), "pid": 0, "tid": 0})
+
+    def flush(self):
+        if not self._events:
+            return
+        body = "".join(",\n" + json.dumps(e) for e in self._events)
+        data = (body + "\n]").encode()
+        os.pwrite(self._fd, data, self._end)
+        self._end += len(data) - 1
+        self._events.clear()
+
+    def close(self):
+        self.flush()
+        os.close(self._fd)

@@ -1,0 +1,86 @@
+"""MPI start-up and the communicators mpitrain owns."""
+
+import dataclasses
+import logging
+import os
+import sys
+
+log = logging.getLogger("mpitrain")
+
+# Open MPI spins while a blocking call waits; with as many ranks as cores that
+# steals the training thread's core. Yielding costs little latency.
+_OPEN_MPI_DEFAULTS = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def start_mpi():
+    """Import mpi4py's MPI module, initializing MPI with thread support."""
+    if "mpi4py.MPI" not in sys.modules:
+        for key, value in _OPEN_MPI_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        import mpi4py
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+    if MPI.Is_finalized():
+        raise RuntimeError("MPI has already been finalized in this process")
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI
+
+
+@dataclasses.dataclass
+class Topology:
+    comm: object               # private duplicate of the job's communicator
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    homogeneous: bool
+    threads_multiple: bool
+
+
+def _job_communicator(MPI, comm):
+    """Duplicate ``comm`` (None, an mpi4py communicator or a list of ranks)."""
+    if comm is None:
+        return MPI.COMM_WORLD.Dup()
+    if isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_NULL:
+            raise ValueError("init(comm=...) got MPI.COMM_NULL")
+        return comm.Dup()
+    ranks = sorted(set(int(r) for r in comm))
+    world = MPI.COMM_WORLD
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world.size:
+        raise ValueError(
+            f"init(comm={list(comm)}): ranks must lie in 0..{world.size - 1}")
+    if world.rank not in ranks:
+        raise ValueError(
+            f"init(comm={list(comm)}): world rank {world.rank} is not in the list")
+    group = world.Get_group().Incl(ranks)
+    try:
+        return world.Create_group(group)
+    finally:
+        group.Free()
+
+
+def build(comm=None):
+    MPI = start_mpi()
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        log.warning(
+            "MPI was initialized without MPI_THREAD_MULTIPLE (level %d); "
+            "mpitrain's engine thread calls MPI, so do not call MPI from other "
+            "threads, or initialize MPI with thread_level='multiple'", provided)
+    job = _job_communicator(MPI, comm)
+    local = job.Split_type(MPI.COMM_TYPE_SHARED, key=job.rank)
+    cross = job.Split(color=local.rank, key=job.rank)
+    local_sizes = job.allgather(local.size)
+    topology = Topology(
+        comm=job, rank=job.rank, size=job.size,
+        local_rank=local.rank, local_size=local.size,
+        cross_rank=cross.rank, cross_size=cross.size,
+        homogeneous=len(set(local_sizes)) == 1,
+        threads_multiple=provided >= MPI.THREAD_MULTIPLE)
+    local.Free()
+    cross.Free()
+    return topology
