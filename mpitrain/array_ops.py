@@ -117,7 +117,8 @@ def _submit(engine, controller, prepared):
     engine.enqueue_many(controller, [e for e, _ in prepared])
     names = ", ".join(f"'{e.request.name}'" for e, _ in prepared)
     raise ERROR_CLASSES[first.kind](
-        f"{prepared[0][0].request.kind.label} of {names}: {first}")
+        f"{prepared[0][0].request.kind.label} of {names} failed on rank "
+        f"{controller.rank}: {first}")
 
 
 def _one(kind, array, name, process_set, **params):
@@ -245,13 +246,12 @@ def grouped_reducescatter(arrays, op=Average, name=None,
                                                    prescale_factor, postscale_factor))
 
 
-def _control(kind, name, process_set, shape=()):
+def _control(kind, name, process_set, shape=(), problem=None):
     engine = basics.engine()
     controller = _controller(engine, process_set)
     request = Request(name, kind, controller.rank, shape=shape)
     entry = Entry(request, None, None, None, Handle(name))
-    engine.enqueue_many(controller, [entry])
-    return entry.handle
+    return _submit(engine, controller, [(entry, problem)])[0]
 
 
 def barrier(process_set=global_process_set):
@@ -268,8 +268,9 @@ def join():
     return synchronize(_control(OpType.JOIN, "join", global_process_set))
 
 
-def change_process_sets(engine, action, shape):
+def change_process_sets(engine, kind, shape, problem=None):
+    """Add or remove a process set on every rank; a problem fails all ranks."""
     controller = _controller(engine, global_process_set)
-    kind = OpType.ADD_PROCESS_SET if action == "add" else OpType.REMOVE_PROCESS_SET
-    return synchronize(_control(kind, controller.automatic_name(kind),
-                                global_process_set, shape))
+    return synchronize(_control(
+        kind, controller.automatic_name(kind), global_process_set, shape,
+        None if problem is None else _Problem("value", problem)))

@@ -6,6 +6,7 @@ import threading
 
 from mpitrain import config as _config
 from mpitrain.errors import ShutdownError, not_initialized_error
+from mpitrain.ops import OpType
 from mpitrain.process_sets import ProcessSet, global_process_set
 
 
@@ -77,11 +78,18 @@ def _static_sets(process_sets, topo):
 
 
 def _check_ranks(ranks, size):
+    problem = _ranks_problem(ranks, size)
+    if problem:
+        raise ValueError(problem)
+
+
+def _ranks_problem(ranks, size):
     if not ranks:
-        raise ValueError("a process set needs at least one rank")
+        return "a process set needs at least one rank"
     if ranks[-1] >= size:
-        raise ValueError(f"process set {ranks} names ranks beyond the job's "
-                         f"{size} ranks (0..{size - 1})")
+        return (f"process set {ranks} names ranks beyond the job's "
+                f"{size} ranks (0..{size - 1})")
+    return ""
 
 
 def shutdown():
@@ -212,12 +220,13 @@ def add_process_set(process_set):
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
-    _check_ranks(process_set.ranks, _state.topology.size)
+    problem = _ranks_problem(process_set.ranks, _state.topology.size)
     for existing in _state.sets.values():
         if existing.ranks == process_set.ranks:
-            raise ValueError(f"a process set with ranks {process_set.ranks} is "
-                             f"already registered: {existing!r}")
-    set_id = array_ops.change_process_sets(running, "add", tuple(process_set.ranks))
+            problem = (f"a process set with ranks {process_set.ranks} is "
+                       f"already registered: {existing!r}")
+    set_id = array_ops.change_process_sets(
+        running, OpType.ADD_PROCESS_SET, tuple(process_set.ranks), problem or None)
     process_set._attach(set_id, _state.topology.rank)
     _state.sets[set_id] = process_set
     return process_set
@@ -232,7 +241,7 @@ def remove_process_set(process_set):
         raise ValueError(f"{process_set!r} is not registered")
     if set_id == 0:
         raise ValueError("the job-wide process set cannot be removed")
-    array_ops.change_process_sets(running, "remove", (set_id,))
+    array_ops.change_process_sets(running, OpType.REMOVE_PROCESS_SET, (set_id,))
     del _state.sets[set_id]
     process_set._detach()
     return True

@@ -59,6 +59,8 @@ class SetController:
         self.last_round_start = float("-inf")
         self.last_round_end = float("-inf")
         self.progressed = False
+        self.rounds = 0               # counters for tests and benchmarks
+        self.negotiations = 0
 
     # -- called by the engine thread ---------------------------------------
 
@@ -108,6 +110,7 @@ class SetController:
         engine = self.engine
         now = time.monotonic()
         self.last_round_start = now
+        self.rounds += 1
         timeline = engine.timeline.current
         with engine.lock:
             new, self.incoming = self.incoming, []
@@ -208,6 +211,7 @@ class SetController:
 
     def _negotiate(self, uncached, now):
         """Send uncached requests to the coordinator; get responses back."""
+        self.negotiations += 1
         requests = []
         for entry in uncached:
             entry.state = SENT
@@ -257,8 +261,8 @@ class SetController:
     def _retire(self, entry):
         name = entry.request.name
         self.pending.pop(name, None)
-        successor = entry.successor
         with self.engine.lock:
+            successor = entry.successor
             if successor is None:
                 self.in_flight.pop(name, None)
             else:

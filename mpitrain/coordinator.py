@@ -69,10 +69,13 @@ def build_response(name, requests, joined):
     failed = [r for r in ordered if r.error]
     if failed:
         kinds = {r.error_kind for r in failed}
-        details = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
-        return _error(name, kinds.pop() if len(kinds) == 1 else "value",
-                      f"{label} failed on rank(s) "
-                      f"{', '.join(str(r.rank) for r in failed)}: {details}")
+        if len(failed) == 1:
+            message = f"{label} failed on rank {failed[0].rank}: {failed[0].error}"
+        else:
+            message = (f"{label} failed on ranks "
+                       f"{', '.join(str(r.rank) for r in failed)}: "
+                       + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+        return _error(name, kinds.pop() if len(kinds) == 1 else "value", message)
     problem = _mismatch(ordered)
     if problem:
         what, values = problem

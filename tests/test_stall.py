@@ -1,0 +1,66 @@
+"""A rank that stops submitting: a warning that names it, then a clean stop."""
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+import mpitrain as mt
+from tests.mpi_harness import mpi_test
+
+FAST_STALL = {"MPITRAIN_STALL_CHECK_TIME_SECONDS": "1",
+              "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def wait_for_stall_shutdown(name, warm_up_steps):
+    records = Records()
+    logging.getLogger("mpitrain").addHandler(records)
+    mt.init()
+    r, n = mt.rank(), mt.size()
+    for _ in range(warm_up_steps):
+        mt.allreduce(np.ones(2), name=name)
+    started = time.monotonic()
+    if r == 0:
+        with pytest.raises(mt.ShutdownError) as caught:
+            mt.allreduce(np.ones(2), name=name)
+        report = str(caught.value)
+        assert f"'{name}'" in report and "rank 1" in report and "stall" in report
+        assert any(f"'{name}'" in m and "rank 1" in m for m in records.messages), \
+            records.messages
+    else:
+        while mt.is_initialized():               # rank 1 "forgets" the tensor
+            time.sleep(0.05)
+        with pytest.raises(mt.ShutdownError, match=name):
+            mt.allreduce(np.ones(2), name="too.late")
+    elapsed = time.monotonic() - started
+    assert 3 <= elapsed < 10, elapsed
+    mt.shutdown()
+    logging.getLogger("mpitrain").removeHandler(records)
+
+
+@mpi_test(env=FAST_STALL, init=False)
+def test_a_new_tensor_one_rank_never_submits():
+    wait_for_stall_shutdown("forgotten", warm_up_steps=0)
+
+
+@mpi_test(env=FAST_STALL, init=False)
+def test_a_cached_tensor_one_rank_stops_submitting():
+    wait_for_stall_shutdown("stopped.submitting", warm_up_steps=5)
+
+
+@mpi_test(env={"MPITRAIN_STALL_CHECK_TIME_SECONDS": "0.5",
+               "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "0"})
+def test_shutdown_time_zero_only_warns():
+    if mt.rank() == 1:
+        time.sleep(2.0)
+    assert mt.allreduce(np.ones(1), op=mt.Sum, name="slow.rank")[0] == mt.size()
