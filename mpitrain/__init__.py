@@ -18,6 +18,7 @@ from mpitrain.basics import (
 from mpitrain.errors import (
     HorovodInternalError, MismatchError, MpitrainInternalError, ShutdownError)
 from mpitrain.handles import poll, synchronize
+from mpitrain.objects import allgather_object, broadcast_object
 from mpitrain.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from mpitrain.process_sets import ProcessSet, global_process_set
 from mpitrain.version import __version__

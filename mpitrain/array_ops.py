@@ -75,11 +75,15 @@ def _check(controller, kind, array, dtype, request, output):
     if kind == OpType.BROADCAST and not 0 <= request.root < controller.size:
         raise _Problem("value", f"root_rank {request.root} is out of range for a "
                                 f"process set of {controller.size} ranks")
-    if output is not None and (output.shape != array.shape or output.dtype != array.dtype
-                               or not output.flags.writeable):
+    if output is None:
+        return
+    if output.shape != array.shape or output.dtype != array.dtype:
         raise _Problem("value", f"output of shape {output.shape} and dtype "
                                 f"{output.dtype} cannot hold the result for input "
                                 f"of shape {array.shape} and dtype {array.dtype}")
+    sends_only = kind == OpType.BROADCAST and request.root == controller.rank
+    if not output.flags.writeable and not sends_only:
+        raise _Problem("value", "the output array is read-only")
 
 
 def _alltoall_splits(array, splits, size):

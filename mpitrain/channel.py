@@ -16,6 +16,7 @@ from mpi4py import MPI
 from mpitrain.ops import ReduceOp
 
 CHUNK_BYTES = 4 * 1024 * 1024   # Open MPI reduces 1-16 MiB faster per byte than larger calls
+BCAST_PIECE = 1 << 30
 
 MPI_OPS = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM,
            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
@@ -64,10 +65,14 @@ class Channel:
         yield self.comm.Iallgatherv([send, MPI.BYTE], spec)
 
     def bcast(self, buffer, root):
+        """Broadcast a byte view, in pieces: MPI counts stop at 2**31 - 1."""
+        pieces = [buffer[i:i + BCAST_PIECE]
+                  for i in range(0, max(buffer.size, 1), BCAST_PIECE)]
         if self.blocking:
-            self.comm.Bcast([buffer, MPI.BYTE], root)
+            for piece in pieces:
+                self.comm.Bcast([piece, MPI.BYTE], root)
             return
-        yield self.comm.Ibcast([buffer, MPI.BYTE], root)
+        yield [self.comm.Ibcast([piece, MPI.BYTE], root) for piece in pieces]
 
     def alltoall(self, send, receive):
         """Exchange one int64 per rank pair."""

@@ -1,0 +1,61 @@
+"""Collectives on picklable Python objects, built on the array collectives.
+
+Objects travel pickled (protocol 5); objects beyond 2 GiB work, because the
+bytes move in pieces below MPI's count limit.
+"""
+
+import pickle
+
+import numpy as np
+
+from mpitrain import array_ops, basics
+from mpitrain.ops import OpType
+from mpitrain.process_sets import global_process_set
+
+_GATHER_LIMIT = (1 << 31) - 1     # above this many bytes in all, gather rank by rank
+
+
+def _bytes(obj):
+    return np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+
+
+def _name(name, kind, process_set):
+    if name is not None:
+        return name
+    controller = array_ops._controller(basics.engine(), process_set)
+    return controller.automatic_name(kind)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Return root_rank's ``obj`` on every rank of the set."""
+    name = _name(name, OpType.BROADCAST, process_set)
+    is_root = process_set.rank() == root_rank
+    data = _bytes(obj) if is_root else None
+    size = np.array([0 if data is None else data.size], dtype=np.int64)
+    size = array_ops.broadcast(size, root_rank, f"{name}.size", process_set)
+    if data is None:
+        data = np.empty(int(size[0]), dtype=np.uint8)
+    array_ops.synchronize(array_ops.broadcast_async(
+        data, root_rank, f"{name}.bytes", process_set, output=data))
+    return obj if is_root else pickle.loads(data)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Return a list with every rank's ``obj``, in rank order."""
+    name = _name(name, OpType.ALLGATHER, process_set)
+    data = _bytes(obj)
+    sizes = array_ops.allgather(np.array([data.size], dtype=np.int64),
+                                f"{name}.sizes", process_set)
+    if int(sizes.sum()) <= _GATHER_LIMIT:
+        gathered = array_ops.allgather(data, f"{name}.bytes", process_set)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(gathered[offsets[r]:offsets[r + 1]])
+                for r in range(len(sizes))]
+    results = []
+    for rank, size in enumerate(sizes):
+        mine = rank == process_set.rank()
+        buffer = data if mine else np.empty(int(size), dtype=np.uint8)
+        array_ops.synchronize(array_ops.broadcast_async(
+            buffer, rank, f"{name}.bytes.{rank}", process_set, output=buffer))
+        results.append(obj if mine else pickle.loads(buffer))
+    return results
