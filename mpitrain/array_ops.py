@@ -44,10 +44,11 @@ def _as_array(value):
 def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
              root=-1, output=None, splits=None):
     """Build this rank's entry; a local argument error becomes a _Problem."""
-    array = _as_array(array)
+    if type(array) is not np.ndarray:
+        array = np.asarray(array)
     dtype = dtypes.lookup(array.dtype)
     request = Request(name, kind, controller.rank, -1 if dtype is None else dtype.code,
-                      array.shape, int(op), float(prescale), float(postscale), root)
+                      array.shape, op, prescale, postscale, root)
     entry = Entry(request, dtype, array, output, Handle(name))
     try:
         _check(controller, kind, array, dtype, request, output)
@@ -110,18 +111,22 @@ def _submit(engine, controller, prepared):
     the error: the other ranks then fail the same names instead of waiting.
     """
     problems = [p for _, p in prepared if p is not None]
+    entries = [entry for entry, _ in prepared]
     if not problems:
-        engine.enqueue_many(controller, [e for e, _ in prepared])
-        return [e.handle for e, _ in prepared]
+        if len(entries) == 1:
+            engine.enqueue(controller, entries[0])
+        else:
+            engine.enqueue_many(controller, entries)
+        return [entry.handle for entry in entries]
     first = problems[0]
-    for entry, _ in prepared:
+    for entry in entries:
         entry.handle = None
         entry.request.error = str(first)
         entry.request.error_kind = first.kind
-    engine.enqueue_many(controller, [e for e, _ in prepared])
-    names = ", ".join(f"'{e.request.name}'" for e, _ in prepared)
+    engine.enqueue_many(controller, entries)
+    names = ", ".join(f"'{entry.request.name}'" for entry in entries)
     raise ERROR_CLASSES[first.kind](
-        f"{prepared[0][0].request.kind.label} of {names} failed on rank "
+        f"{entries[0].request.kind.label} of {names} failed on rank "
         f"{controller.rank}: {first}")
 
 
@@ -130,8 +135,11 @@ def _one(kind, array, name, process_set, **params):
     controller = _controller(engine, process_set)
     if name is None:
         name = controller.automatic_name(kind)
-    return _submit(engine, controller,
-                   [_prepare(controller, kind, array, name, **params)])[0]
+    entry, problem = _prepare(controller, kind, array, name, **params)
+    if problem is None:
+        engine.enqueue(controller, entry)
+        return entry.handle
+    return _submit(engine, controller, [(entry, problem)])[0]
 
 
 def _group(kind, arrays, name, process_set, outputs=None, **params):
@@ -152,8 +160,8 @@ def allreduce_async(array, average=None, name=None, op=None, prescale_factor=1.0
                     output=None):
     """Start reducing ``array`` across the set; ``output`` receives it in place."""
     return _one(OpType.ALLREDUCE, array, name, process_set,
-                op=resolve_op(op, average), prescale=prescale_factor,
-                postscale=postscale_factor, output=output)
+                op=resolve_op(op, average), prescale=float(prescale_factor),
+                postscale=float(postscale_factor), output=output)
 
 
 def allreduce(array, average=None, name=None, op=None, prescale_factor=1.0,
@@ -166,8 +174,8 @@ def grouped_allreduce_async(arrays, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set, *, outputs=None):
     return _group(OpType.ALLREDUCE, arrays, name, process_set, outputs,
-                  op=resolve_op(op, average), prescale=prescale_factor,
-                  postscale=postscale_factor)
+                  op=resolve_op(op, average), prescale=float(prescale_factor),
+                  postscale=float(postscale_factor))
 
 
 def grouped_allreduce(arrays, average=None, name=None, op=None, prescale_factor=1.0,
@@ -225,8 +233,8 @@ def reducescatter_async(array, op=Average, name=None, process_set=global_process
                         prescale_factor=1.0, postscale_factor=1.0):
     """Start reducing ``array`` and scattering its rows; low ranks get any extra row."""
     return _one(OpType.REDUCESCATTER, array, name, process_set,
-                op=resolve_op(op, None), prescale=prescale_factor,
-                postscale=postscale_factor)
+                op=resolve_op(op, None), prescale=float(prescale_factor),
+                postscale=float(postscale_factor))
 
 
 def reducescatter(array, op=Average, name=None, process_set=global_process_set,
@@ -239,8 +247,8 @@ def grouped_reducescatter_async(arrays, op=Average, name=None,
                                 process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
     return _group(OpType.REDUCESCATTER, arrays, name, process_set,
-                  op=resolve_op(op, None), prescale=prescale_factor,
-                  postscale=postscale_factor)
+                  op=resolve_op(op, None), prescale=float(prescale_factor),
+                  postscale=float(postscale_factor))
 
 
 def grouped_reducescatter(arrays, op=Average, name=None,

@@ -22,6 +22,7 @@ class ResponseCache:
         self._slots = []                      # slot -> (response, signature) or None
         self._by_name = {}                    # name -> slot
         self._recent = collections.OrderedDict()   # slot, least recently used first
+        self.generation = 0                   # changes whenever an entry is added or removed
 
     @property
     def nbits(self):
@@ -46,8 +47,11 @@ class ResponseCache:
     def occupied(self):
         return [slot for slot, entry in enumerate(self._slots) if entry is not None]
 
-    def touch(self, slot):
-        self._recent.move_to_end(slot)
+    def touch(self, slots):
+        """Mark slots as just used, in order (every rank does the same)."""
+        move = self._recent.move_to_end
+        for slot in slots:
+            move(slot)
 
     def put(self, response, signature):
         if self.capacity == 0:
@@ -64,6 +68,7 @@ class ResponseCache:
             self._slots.append((response, signature))
         self._by_name[response.name] = slot
         self._recent[slot] = None
+        self.generation += 1
 
     def erase(self, slot):
         entry = self._slots[slot]
@@ -72,3 +77,4 @@ class ResponseCache:
         self._slots[slot] = None
         del self._by_name[entry[0].name]
         del self._recent[slot]
+        self.generation += 1

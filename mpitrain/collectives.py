@@ -22,24 +22,24 @@ class Executor:
         self.timeline = timeline      # holder with .current: Timeline or None
 
     def run(self, group, entries):
-        kind = group[0].kind
+        response = group.responses[0]
+        kind = response.kind
         if kind == OpType.ALLREDUCE:
-            yield from self._traced(group, "ALLREDUCE", self._allreduce(group, entries))
+            yield from self._traced(group.names, "ALLREDUCE",
+                                    self._allreduce(group, entries))
             return
-        response = group[0]
         entry = entries[response.name]
         body = {OpType.ALLGATHER: self._allgather,
                 OpType.BROADCAST: self._broadcast,
                 OpType.ALLTOALL: self._alltoall,
                 OpType.REDUCESCATTER: self._reducescatter}[kind]
-        yield from self._traced(group, kind.name, body(response, entry))
+        yield from self._traced(group.names, kind.name, body(response, entry))
 
-    def _traced(self, group, label, body):
+    def _traced(self, names, label, body):
         timeline = self.timeline.current
         if timeline is None:
             yield from body
             return
-        names = [r.name for r in group]
         timeline.begin(names, label)
         yield from body
         timeline.end(names)
@@ -60,30 +60,26 @@ class Executor:
         return factor
 
     def _allreduce(self, group, entries):
-        first = group[0]
+        first = group.responses[0]
         dtype = dtypes.BY_CODE[first.dtype]
         wire = dtype.reduce_as
         factor = self._scale_after(first)
-        members = [(r, entries.get(r.name)) for r in group]
-        entry = members[0][1]
-        if (len(group) == 1 and entry is not None and entry.dtype is dtype
+        members = [entries.get(name) for name in group.names]
+        entry = members[0]
+        if (len(members) == 1 and entry is not None and entry.dtype is dtype
                 and dtype.numpy == wire):
             yield from self._allreduce_alone(first, entry, factor)
             return
-        counts = [math.prod(r.shape) for r in group]
-        buffer = self.buffers.get(wire, sum(counts))
-        names = [r.name for r in group]
+        buffer = self.buffers.get(wire, group.total)
+        names = group.names
         timeline = self.timeline.current
         if timeline is not None:
             timeline.begin(names, "MEMCPY_IN_FUSION_BUFFER")
-        offset = 0
-        for (response, member), count in zip(members, counts):
-            view = buffer[offset:offset + count].reshape(response.shape)
-            offset += count
-            if member is None:
-                view.fill(0)
-            else:
-                scale_into(member.input, first.prescale, view)
+        sources = [np.zeros(count, wire) if member is None else member.input.reshape(-1)
+                   for member, count in zip(members, group.counts)]
+        np.concatenate(sources, out=buffer, casting="unsafe")
+        if first.prescale != 1.0:
+            scale_into(buffer, first.prescale, buffer)
         if timeline is not None:
             timeline.end(names)
         yield from self._activity(names, "MPI_ALLREDUCE",
@@ -91,15 +87,14 @@ class Executor:
         if timeline is not None:
             timeline.begin(names, "MEMCPY_OUT_FUSION_BUFFER")
         offset = 0
-        for (response, member), count in zip(members, counts):
-            view = buffer[offset:offset + count].reshape(response.shape)
-            offset += count
+        for response, member, count in zip(group.responses, members, group.counts):
+            start, offset = offset, offset + count
             if member is None:
                 continue
             output = member.output
             if output is None:
                 output = np.empty(response.shape, dtype=member.dtype.numpy)
-            scale_into(view, factor, output)
+            scale_into(buffer[start:offset].reshape(response.shape), factor, output)
             self.finish(member, output)
         if timeline is not None:
             timeline.end(names)

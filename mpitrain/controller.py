@@ -50,6 +50,8 @@ class SetController:
         self.in_flight = {}           # name -> Entry; user threads add under engine.lock
         self.incoming = []            # entries not yet seen by the engine
         self.pending = {}             # name -> Entry the engine is negotiating
+        self._done = []               # (entry, result, error) not yet published
+        self._plans = {}              # (ready slots, cache generation) -> fusion plan
         self.joined = False
         self.any_joined = False
         self.counters = {}            # automatic names: kind -> next number
@@ -98,11 +100,16 @@ class SetController:
         self.wait_started = time.monotonic()
 
     def fail_all(self, error):
-        for entry in list(self.pending.values()) + self.incoming:
-            self._fail(entry, error)
-        self.pending.clear()
-        self.incoming.clear()
-        self.in_flight.clear()
+        while True:
+            with self.engine.lock:
+                entries = list(self.pending.values()) + self.incoming
+                self.incoming = []
+            self.pending.clear()
+            if not entries:
+                return
+            for entry in entries:
+                self._fail(entry, error)
+            self._complete()      # promotes successors, failed on the next pass
 
     # -- one round -----------------------------------------------------------
 
@@ -143,10 +150,7 @@ class SetController:
             reason = yield from engine.agree_to_stop(self.channel)
             raise EngineStopped(reason)
         self.any_joined = bool(status & control.JOINED)
-        responses = []
-        for slot in control.bits(ready & submitted):
-            responses.append(self.cache.response(slot))
-            self.cache.touch(slot)
+        groups = self._cached_plan(ready & submitted)
         for slot in control.bits(invalid):
             self.cache.erase(slot)
         if status & control.UNCACHED:
@@ -156,15 +160,35 @@ class SetController:
                     entry = self.pending.get(response.name)
                     if response.kind in CACHEABLE and entry is not None:
                         self.cache.put(response, entry.signature)
-            responses.extend(fresh)
+            groups += fusion.plan(fresh, self.fusion_threshold)
         if self.coordinator is not None:
             report = self.stall.check(time.monotonic(), self.coordinator.waiting(),
                                       self.coordinator.joined)
             if report:
                 engine.request_stop(report)
-        self.progressed = bool(responses)
-        if responses:
-            yield from self._execute(responses)
+        self.progressed = bool(groups)
+        if groups:
+            yield from self._execute(groups)
+
+    def _cached_plan(self, slots):
+        """The fusion plan of the cached responses in ``slots``.
+
+        In steady state the same slots are ready step after step, so the plan
+        is computed once per set of slots and cache generation.
+        """
+        if not slots:
+            return []
+        key = (slots, self.cache.generation)
+        known = self._plans.get(key)
+        if known is None:
+            ordered = list(control.bits(slots))
+            known = (ordered, fusion.plan([self.cache.response(s) for s in ordered],
+                                          self.fusion_threshold))
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = known
+        self.cache.touch(known[0])
+        return list(known[1])
 
     def _classify(self, now):
         """Sort pending entries into cache hits, invalid slots and uncached."""
@@ -177,10 +201,12 @@ class SetController:
             kind = entry.request.kind
             use_cache = (kind in CACHEABLE and not entry.request.error
                          and not (self.any_joined and kind != OpType.ALLREDUCE))
-            if entry.state == CACHED:
+            if entry.state == CACHED and not (use_cache
+                                              and entry.generation == cache.generation):
                 result, slot = cache.lookup(entry.request.name, entry.signature)
                 if not use_cache or result != HIT:
                     entry.state = QUEUED
+                entry.generation = cache.generation
             if entry.state == QUEUED:
                 if use_cache:
                     result, slot = cache.lookup(entry.request.name, entry.signature)
@@ -190,6 +216,7 @@ class SetController:
                     if result == HIT:
                         entry.state = CACHED
                         entry.slot = slot
+                        entry.generation = cache.generation
                 if entry.state == QUEUED:
                     uncached.append(entry)
                     continue
@@ -229,14 +256,14 @@ class SetController:
         responses = yield from self.channel.bcast_object(responses)
         return responses
 
-    def _execute(self, responses):
+    def _execute(self, groups):
         timeline = self.engine.timeline.current
         entries = self.pending
         if timeline is not None:
-            timeline.end([r.name for r in responses if r.name in entries
-                          and entries[r.name].handle is not None])
-        for group in fusion.plan(responses, self.fusion_threshold):
-            response = group[0]
+            timeline.end([name for group in groups for name in group.names
+                          if name in entries and entries[name].handle is not None])
+        for group in groups:
+            response = group.responses[0]
             kind = response.kind
             if kind == OpType.ERROR:
                 entry = entries.get(response.name)
@@ -254,30 +281,42 @@ class SetController:
                 self._finish(entries[response.name], result)
             else:
                 yield from self.executor.run(group, entries)
-        notify_waiters()
+            self._complete()
 
     # -- completing entries ---------------------------------------------------
 
-    def _retire(self, entry):
-        name = entry.request.name
-        self.pending.pop(name, None)
-        with self.engine.lock:
-            successor = entry.successor
-            if successor is None:
-                self.in_flight.pop(name, None)
-            else:
-                self.in_flight[name] = successor
-                self.incoming.append(successor)
-
     def _finish(self, entry, value):
-        self._retire(entry)
-        if entry.handle is not None:
-            entry.handle.set_result(value)
+        self._done.append((entry, value, None))
 
     def _fail(self, entry, error):
-        self._retire(entry)
-        if entry.handle is not None:
-            entry.handle.set_error(error)
+        self._done.append((entry, None, error))
+
+    def _complete(self):
+        """Retire finished entries under one lock, then publish their results.
+
+        A name leaves in_flight before its handle completes, so a caller may
+        reuse the name as soon as synchronize() returns.
+        """
+        done, self._done = self._done, []
+        if not done:
+            return
+        with self.engine.lock:
+            for entry, _, _ in done:
+                successor = entry.successor
+                if successor is None:
+                    self.in_flight.pop(entry.request.name, None)
+                else:
+                    self.in_flight[entry.request.name] = successor
+                    self.incoming.append(successor)
+        for entry, value, error in done:
+            self.pending.pop(entry.request.name, None)
+            handle = entry.handle
+            if handle is not None:
+                if error is None:
+                    handle.set_result(value)
+                else:
+                    handle.set_error(error)
+        notify_waiters()
 
     # -- called by user threads ----------------------------------------------
 

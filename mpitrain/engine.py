@@ -69,24 +69,41 @@ class Engine:
 
     # -- called by user threads ------------------------------------------------
 
+    def enqueue(self, controller, entry):
+        """Hand one entry to the engine (the hot path of every async call)."""
+        name = entry.request.name
+        with self.lock:
+            if self.stopped:
+                raise ShutdownError(self.stopped_reason)
+            existing = controller.in_flight.get(name)
+            if existing is None:
+                controller.in_flight[name] = entry
+                controller.incoming.append(entry)
+            elif existing.handle is None and existing.successor is None:
+                existing.successor = entry
+            else:
+                raise _duplicate(name, controller)
+            if self._sleeping:
+                self._sleeping = False       # one wake-up is enough for a burst
+                self.lock.notify()
+
     def enqueue_many(self, controller, entries):
         """Hand entries to the engine at once, so one round sees them all.
 
         A name still in flight is a ValueError, unless it belongs to an entry
         that already failed locally: the new one then waits behind it.
         """
+        names = [entry.request.name for entry in entries]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a grouped call repeats names: {names}")
         with self.lock:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
-            names = [entry.request.name for entry in entries]
             for name in names:
                 existing = controller.in_flight.get(name)
-                if names.count(name) > 1 or (existing is not None and not (
-                        existing.handle is None and existing.successor is None)):
-                    raise ValueError(
-                        f"an operation named '{name}' is already in flight on this "
-                        f"rank (process set {controller.set_id}); synchronize it "
-                        "before reusing the name, or pick another name")
+                if existing is not None and not (
+                        existing.handle is None and existing.successor is None):
+                    raise _duplicate(name, controller)
             for name, entry in zip(names, entries):
                 existing = controller.in_flight.get(name)
                 if existing is not None:
@@ -95,19 +112,21 @@ class Engine:
                     controller.in_flight[name] = entry
                     controller.incoming.append(entry)
             if self._sleeping:
+                self._sleeping = False
                 self.lock.notify()
 
     def controller_for(self, set_id):
-        with self.lock:
-            if self.stopped:
-                raise ShutdownError(self.stopped_reason)
-            return self.controllers.get(set_id)
+        """This rank's controller of a set, or None where it is not a member."""
+        if self.stopped:
+            raise ShutdownError(self.stopped_reason)
+        return self.controllers.get(set_id)     # changed only under self.lock
 
     def request_stop(self, reason):
         with self.lock:
             if not self.stop_requested:
                 self.stop_requested = True
                 self.stop_reason = reason
+            self._sleeping = False
             self.lock.notify()
 
     def stop(self, reason, timeout=STOP_TIMEOUT):
@@ -210,6 +229,13 @@ class Engine:
             controller.fail_all(ShutdownError(f"process set {set_id} was removed"))
             controller.channel.comm.Free()
         return set_id
+
+
+def _duplicate(name, controller):
+    return ValueError(
+        f"an operation named '{name}' is already in flight on this rank (process "
+        f"set {controller.set_id}); synchronize it before reusing the name, or pick "
+        "another name")
 
 
 def create_communicator(comm, ranks):

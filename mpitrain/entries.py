@@ -9,7 +9,7 @@ class Entry:
     """This rank's submission of one named operation."""
 
     __slots__ = ("request", "signature", "dtype", "input", "output", "splits",
-                 "handle", "enqueued", "state", "slot", "successor")
+                 "handle", "enqueued", "state", "slot", "generation", "successor")
 
     def __init__(self, request, dtype, input, output, handle, splits=None):
         self.request = request
@@ -21,5 +21,6 @@ class Entry:
         self.handle = handle          # None: a local error already raised to the caller
         self.enqueued = time.monotonic()
         self.state = QUEUED
-        self.slot = None
+        self.slot = None              # the cache slot, while CACHED ...
+        self.generation = -1          # ... as of this cache generation
         self.successor = None         # the same name, submitted again after a local error

@@ -8,8 +8,34 @@ from mpitrain import dtypes
 from mpitrain.ops import OpType
 
 
-def allreduce_nbytes(response):
-    return math.prod(response.shape) * dtypes.BY_CODE[response.dtype].reduce_as.itemsize
+def _fusion_of(response):
+    """(what must match to share a buffer, bytes in the buffer), computed once."""
+    if not response.fusion:
+        wire = dtypes.BY_CODE[response.dtype].reduce_as
+        response.fusion = ((wire, response.op, response.prescale, response.postscale),
+                           math.prod(response.shape) * wire.itemsize)
+    return response.fusion
+
+
+class Group:
+    """Responses executed together, with the layout of their fusion buffer."""
+
+    __slots__ = ("responses", "names", "counts", "total", "nbytes")
+
+    def __init__(self, response, nbytes=0):
+        self.responses = [response]
+        self.names = [response.name]
+        self.counts = [math.prod(response.shape)]
+        self.total = self.counts[0]
+        self.nbytes = nbytes
+
+    def add(self, response, nbytes):
+        self.responses.append(response)
+        self.names.append(response.name)
+        count = math.prod(response.shape)
+        self.counts.append(count)
+        self.total += count
+        self.nbytes += nbytes
 
 
 def plan(responses, threshold):
@@ -24,18 +50,15 @@ def plan(responses, threshold):
     open_groups = {}
     for response in responses:
         if response.kind != OpType.ALLREDUCE:
-            groups.append([response])
+            groups.append(Group(response))
             continue
-        nbytes = allreduce_nbytes(response)
-        key = (dtypes.BY_CODE[response.dtype].reduce_as, response.op,
-               response.prescale, response.postscale)
+        key, nbytes = _fusion_of(response)
         current = open_groups.get(key)
-        if current is None or current[1] + nbytes > threshold:
-            current = open_groups[key] = [[response], nbytes]
-            groups.append(current[0])
+        if current is None or current.nbytes + nbytes > threshold:
+            current = open_groups[key] = Group(response, nbytes)
+            groups.append(current)
         else:
-            current[0].append(response)
-            current[1] += nbytes
+            current.add(response, nbytes)
     return groups
 
 

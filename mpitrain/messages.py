@@ -49,3 +49,4 @@ class Response:
     error_kind: str = ""
     last_joined_rank: int = -1
     extra: tuple = ()          # process-set changes: the ranks involved
+    fusion: tuple = ()         # (fusion key, bytes), filled in once by fusion.plan

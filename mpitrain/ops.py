@@ -49,6 +49,8 @@ def resolve_op(op, average, default=Average):
         return Average if average else Sum
     if op is None:
         return default
+    if type(op) is ReduceOp:
+        return op
     try:
         return ReduceOp(op)
     except ValueError:

@@ -60,7 +60,7 @@ def test_cache_hits_invalidates_and_evicts_least_recently_used():
     cache.put(second, sig)
     assert cache.lookup("a", sig) == (HIT, 0)
     assert cache.lookup("a", request(0, shape=(9,)).signature()) == (INVALID, 0)
-    cache.touch(0)                                 # "b" is now least recently used
+    cache.touch([0])                               # "b" is now least recently used
     cache.put(third, sig)
     assert cache.lookup("b", sig) == (MISS, None)
     assert cache.lookup("c", sig) == (HIT, 1)
