@@ -54,7 +54,7 @@ def init(comm=None, process_sets=None):
         engine.start()
         _state = _State(engine, topo, sets)
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_stop_at_exit)
             _atexit_registered = True
 
 
@@ -94,12 +94,20 @@ def _ranks_problem(ranks, size):
 
 def shutdown():
     """Stop the engine on this rank; pending operations on every rank fail."""
+    _stop("shutdown() was called")
+
+
+def _stop_at_exit():
+    _stop("its process exited")
+
+
+def _stop(why):
     global _state
     with _init_lock:
         state, _state = _state, None
     if state is None:
         return
-    state.engine.stop(f"shutdown() was called on rank {state.topology.rank}")
+    state.engine.stop(why)
     _release(state)
 
 

@@ -23,6 +23,7 @@ from mpitrain.ops import OpType
 from mpitrain.stall import StallInspector
 
 HEARTBEAT = 1.0          # seconds between rounds of an idle rank
+MAX_PAUSE = 0.01         # longest pause between rounds of a rank with work
 
 
 class EngineStopped(Exception):
@@ -61,6 +62,7 @@ class SetController:
         self.last_round_start = float("-inf")
         self.last_round_end = float("-inf")
         self.progressed = False
+        self.last_progress = time.monotonic()
         self.rounds = 0               # counters for tests and benchmarks
         self.negotiations = 0
 
@@ -71,12 +73,19 @@ class SetController:
                     or (self.channel.blocking and self.engine.stop_requested))
 
     def next_start(self):
-        """When the next round should start, if none is running."""
+        """When the next round should start, if none is running.
+
+        After a round that ran something, at once: more may be ready. After
+        a round that found nothing ready, the cycle time, stretched to a
+        tenth of the time since the last progress, so ranks that wait on
+        each other for long do not keep each other busy.
+        """
         if not self.has_work():
             return self.last_round_end + HEARTBEAT
         if self.progressed:
             return 0.0
-        return self.last_round_start + self.cycle_time
+        idle = self.last_round_start - self.last_progress
+        return self.last_round_start + max(self.cycle_time, min(0.1 * idle, MAX_PAUSE))
 
     def advance(self, now):
         """Run this set's round as far as it can go without waiting."""
@@ -121,6 +130,8 @@ class SetController:
         timeline = engine.timeline.current
         with engine.lock:
             new, self.incoming = self.incoming, []
+        if new:
+            self.last_progress = now
         for entry in new:
             self.pending[entry.request.name] = entry
             if entry.request.kind == OpType.JOIN:
@@ -167,6 +178,8 @@ class SetController:
             if report:
                 engine.request_stop(report)
         self.progressed = bool(groups)
+        if groups:
+            self.last_progress = time.monotonic()
         if groups:
             yield from self._execute(groups)
 

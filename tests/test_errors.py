@@ -136,3 +136,11 @@ def test_calls_after_shutdown_fail_clearly_and_a_peer_shutdown_ends_waits():
         with pytest.raises(ValueError, match=r"init\(\)"):
             mt.allreduce(np.ones(2))
     mt.shutdown()
+
+
+def test_a_rank_that_exits_early_ends_the_others_waits():
+    from tests.mpi_harness import run_mpi
+    job = run_mpi(2, ["tests/scripts/rank_exits_early.py"], timeout=30)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "rank 0 got ShutdownError" in job.stdout
+    assert "rank 1: its process exited" in job.stdout
