@@ -1,0 +1,40 @@
+"""allgather and grouped_allgather: concatenation along the first dimension."""
+
+import tensorflow as tf
+
+from mpitrain.ops import Sum
+from mpitrain.process_sets import global_process_set
+from mpitrain.tensorflow.primitives import gather, reduce_dense
+
+
+def _own_rows(gradient, tensor, process_set):
+    """This rank's rows of the summed gradient of a gathered tensor."""
+    # gradient has the gathered shape: every rank's rows.
+    summed = reduce_dense([gradient], Sum, 1.0, 1.0, None, process_set)[0]
+    first_dims = gather([tf.shape(tensor, out_type=tf.int64)[:1]], None, process_set)[0]
+    start = tf.reduce_sum(first_dims[:process_set.rank()])
+    return summed[start:start + first_dims[process_set.rank()]]
+
+
+def _gather_with_gradient(tensors, name, process_set):
+    @tf.custom_gradient
+    def gather_all(*inputs):
+        def gradient(*upstream):
+            return [None if g is None or not x.dtype.is_floating
+                    else _own_rows(g, x, process_set)
+                    for g, x in zip(upstream, inputs)]
+        return gather(list(inputs), name, process_set), gradient
+    return gather_all(*tensors)
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
+    """Gather a list of tensors through one op; first dimensions may differ per rank."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    return list(_gather_with_gradient(tensors, name, process_set)) if tensors else []
+
+
+def allgather(tensor, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order."""
+    return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]

@@ -1,0 +1,72 @@
+"""broadcast, broadcast_ (in place on variables) and broadcast_variables."""
+
+import numpy as np
+import tensorflow as tf
+
+import mpitrain as mt
+from mpitrain import dtypes
+from mpitrain.ops import Sum
+from mpitrain.process_sets import global_process_set
+from mpitrain.tensorflow import graph_op
+from mpitrain.tensorflow.primitives import reduce_dense
+
+
+def _movable(array):
+    """The array itself, or its raw bytes when the core has no such dtype (bool, uint32...)."""
+    if dtypes.lookup(array.dtype) is not None:
+        return array
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def send_from_root(tensors, root_rank, name, process_set):
+    """Broadcast tensors from root_rank through one op, without gradients."""
+    name = graph_op.collective_name(name, "broadcast")
+
+    def body(arrays):
+        names = ([None] * len(arrays) if name is None else
+                 [f"{name}_{i}of{len(arrays)}" for i in range(len(arrays))])
+        handles = [mt.broadcast_async(_movable(a), root_rank, n, process_set)
+                   for a, n in zip(arrays, names)]
+        return [mt.synchronize(h).view(a.dtype).reshape(a.shape)
+                for h, a in zip(handles, arrays)]
+    return graph_op.run(body, tensors, [t.dtype for t in tensors],
+                        [t.shape for t in tensors], "broadcast")
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
+    """Return root_rank's ``tensor`` on every rank of the set."""
+    @tf.custom_gradient
+    def send(value):
+        def gradient(upstream):
+            # Every rank's output came from the root: the root's input gets
+            # the sum of the gradients, the other inputs none.
+            summed = reduce_dense([upstream], Sum, 1.0, 1.0, None, process_set)[0]
+            return summed if process_set.rank() == root_rank else tf.zeros_like(summed)
+        return send_from_root([value], root_rank, name, process_set)[0], gradient
+    return send(tf.convert_to_tensor(tensor))
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set,
+                        inplace=False):
+    """Assign root_rank's values to ``variables`` on every rank, through one op.
+
+    Works on tf.Variable and Keras variables; returns the assign ops' results
+    (a list, None eagerly). ``inplace`` is accepted for Horovod compatibility:
+    variables are always assigned in place.
+    """
+    variables = list(variables)
+    values = send_from_root([tf.convert_to_tensor(v) for v in variables],
+                            root_rank, None, process_set)
+    assigned = [v.assign(value) for v, value in zip(variables, values)]
+    return None if tf.executing_eagerly() else assigned
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """In-place broadcast of variables from root_rank; returns the variables."""
+    variables = list(variables)
+    values = send_from_root([tf.convert_to_tensor(v) for v in variables],
+                            root_rank, name, process_set)
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+    return variables

@@ -1,0 +1,87 @@
+"""Averaging a step's gradients across ranks, shared by the tape and the optimizers."""
+
+import tensorflow as tf
+
+from mpitrain.ops import Adasum, Average, ReduceOp
+from mpitrain.process_sets import global_process_set
+from mpitrain.tensorflow.compression import Compression
+from mpitrain.tensorflow.primitives import reduce_dense
+from mpitrain.tensorflow.sparse import allreduce_indexed_slices
+
+
+class GradientReducer:
+    """Reduces lists of gradients (None entries pass through) with fixed settings.
+
+    groups: None (all dense gradients in one op), a number of groups of
+    consecutive gradients, or lists of variables, one op per list (gradients
+    of variables in no list form one more group). Ranks must pass gradients
+    in the same order, which the same model code does.
+    """
+
+    def __init__(self, compression=Compression.none, sparse_as_dense=False, op=Average,
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                 process_set=global_process_set):
+        op = ReduceOp(op)
+        if op == Adasum:
+            raise NotImplementedError("op=Adasum is not implemented in mpitrain; "
+                                      "use Average or Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor needs op=Average, got "
+                             f"op={op.name.capitalize()}")
+        if groups is None and num_groups:
+            groups = num_groups
+        if isinstance(groups, int) and groups < 0:
+            raise ValueError(f"groups must be a number >= 0 or lists of variables, "
+                             f"got {groups}")
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        # Dividing before the sum keeps large fp16 sums in range; Average
+        # divides the rest after it.
+        self.prescale = 1.0 / gradient_predivide_factor
+        self.postscale = gradient_predivide_factor
+        self.groups = groups
+        self.process_set = process_set
+
+    def reduce(self, gradients, variables=None):
+        """The reduced gradients, in order; ``variables`` matter only for groups."""
+        gradients = list(gradients)
+        results = list(gradients)
+        dense = []
+        for i, gradient in enumerate(gradients):
+            if gradient is None:
+                continue
+            if isinstance(gradient, tf.IndexedSlices) and not self.sparse_as_dense:
+                # Gathered slices are never summed, so the predivide factor,
+                # which only guards sums, does not apply to them.
+                results[i] = allreduce_indexed_slices(gradient, self.op, 1.0, 1.0, None,
+                                                      self.process_set)
+            else:
+                dense.append(i)
+        for members in self._split(dense, variables):
+            compressed = [self.compression.compress(tf.convert_to_tensor(gradients[i]))
+                          for i in members]
+            reduced = reduce_dense([c for c, _ in compressed], self.op, self.prescale,
+                                   self.postscale, None, self.process_set)
+            for i, value, (_, context) in zip(members, reduced, compressed):
+                results[i] = self.compression.decompress(value, context)
+        return results
+
+    def _split(self, indices, variables):
+        if not indices:
+            return []
+        if not self.groups:
+            return [indices]
+        if isinstance(self.groups, int):
+            count = min(self.groups, len(indices))
+            size, extra = divmod(len(indices), count)
+            bounds = [k * size + min(k, extra) for k in range(count + 1)]
+            return [indices[bounds[k]:bounds[k + 1]] for k in range(count)]
+        if variables is None:
+            raise ValueError("groups given as lists of variables need the variables "
+                             "the gradients belong to")
+        group_of = {id(v): k for k, group in enumerate(self.groups) for v in group}
+        split = [[] for _ in range(len(self.groups) + 1)]
+        for i in indices:
+            split[group_of.get(id(variables[i]), len(self.groups))].append(i)
+        return [members for members in split if members]

@@ -1,0 +1,109 @@
+"""DistributedOptimizer: a Keras optimizer that averages gradients across ranks.
+
+Keras 3 funnels every update through ``apply(grads, variables)``
+(apply_gradients, model.fit and LossScaleOptimizer all reach it), so the
+wrapper reduces there, before unscaling, clipping and weight decay. tf_keras
+(Keras 2, TF_USE_LEGACY_KERAS=1) funnels them through ``apply_gradients``.
+Wrapping the outermost optimizer matters for LossScaleOptimizer: its finite
+check then sees reduced gradients, so every rank makes the same decision.
+"""
+
+import functools
+
+import keras
+
+from mpitrain.ops import Average, Sum
+from mpitrain.process_sets import global_process_set
+from mpitrain.tensorflow.compression import Compression
+from mpitrain.tensorflow.gradient_reduction import GradientReducer
+from mpitrain.tensorflow.keras.local_aggregation import LocalAggregation
+
+
+class _Distribution:
+    """What a distributed optimizer does with gradients before applying them."""
+
+    def __init__(self, reducer, backward_passes_per_step, average_aggregated_gradients):
+        self.reducer = reducer
+        self.aggregation = (LocalAggregation(backward_passes_per_step,
+                                             average_aggregated_gradients)
+                            if backward_passes_per_step > 1 else None)
+
+    def apply(self, optimizer, gradients, variables, apply_reduced):
+        if self.aggregation is None:
+            return apply_reduced(self.reducer.reduce(gradients, variables))
+        return self.aggregation.apply(optimizer, gradients, variables,
+                                      lambda summed: apply_reduced(
+                                          self.reducer.reduce(summed, variables)))
+
+
+def _is_keras3(cls):
+    return issubclass(cls, keras.optimizers.Optimizer)
+
+
+@functools.lru_cache(maxsize=None)
+def distributed_class(base):
+    """A subclass of ``base`` with its name, module and config, reducing gradients."""
+    if _is_keras3(base):
+        def apply(self, grads, trainable_variables=None):
+            if trainable_variables is None:     # Keras requires a built optimizer then
+                variables = self._trainable_variables
+            else:
+                variables = list(trainable_variables)
+                if not self.built:
+                    # As Keras would on first use, but before any tf.cond of
+                    # local aggregation, where no variable may be created.
+                    with keras.name_scope(self.name, caller=self):
+                        self.build(variables)
+            return self._mpitrain.apply(
+                self, list(grads), variables,
+                lambda reduced: base.apply(self, reduced, trainable_variables))
+        methods = {"apply": apply}
+    elif hasattr(base, "apply_gradients"):
+        def apply_gradients(self, grads_and_vars, *args, **kwargs):
+            grads, variables = zip(*list(grads_and_vars))
+            return self._mpitrain.apply(
+                self, list(grads), list(variables),
+                lambda reduced: base.apply_gradients(
+                    self, list(zip(reduced, variables)), *args, **kwargs))
+        methods = {"apply_gradients": apply_gradients}
+    else:
+        raise TypeError(f"{base.__module__}.{base.__qualname__} is not a Keras "
+                        "optimizer: DistributedOptimizer wraps Keras 3 and tf_keras "
+                        "optimizers")
+    methods.update(__module__=base.__module__, __qualname__=base.__qualname__,
+                   _mpitrain_distributed=True)
+    return type(base.__name__, (base,), methods)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=global_process_set,
+                         scale_local_gradients=True):
+    """Return a copy of ``optimizer`` (same class name and config) that averages
+    gradients across ranks before applying them.
+
+    Wrap the outermost optimizer, e.g. the LossScaleOptimizer, not its inner
+    one. backward_passes_per_step > 1 sums that many steps' gradients locally
+    (divided by their number with average_aggregated_gradients) and
+    communicates and applies once.
+    """
+    if op not in (Average, Sum):
+        raise ValueError(f"DistributedOptimizer supports op=Average and op=Sum, "
+                         f"got {op!r}")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1, got "
+                         f"{backward_passes_per_step}")
+    if getattr(optimizer, "_mpitrain_distributed", False):
+        raise ValueError(f"{type(optimizer).__name__} is already a "
+                         "DistributedOptimizer; wrap it once")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    distributed = distributed_class(type(optimizer)).from_config(config)
+    distributed._mpitrain = _Distribution(
+        GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor,
+                        num_groups, groups, process_set),
+        backward_passes_per_step, average_aggregated_gradients)
+    return distributed

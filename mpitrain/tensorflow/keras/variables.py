@@ -1,0 +1,35 @@
+"""Broadcasting a Keras model's and optimizer's variables."""
+
+import tensorflow as tf
+
+from mpitrain.tensorflow.broadcast import broadcast_variables
+
+
+def optimizer_variables(optimizer):
+    """An optimizer's variables: a property in Keras 3, a method in older tf_keras."""
+    if optimizer is None:
+        return []
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
+
+
+def broadcast_global_variables(root_rank, model=None):
+    """Give every rank root_rank's values of the job's variables.
+
+    TensorFlow 2 has no collection of global variables: pass the Keras model,
+    whose variables and optimizer variables are broadcast. Without a model
+    this works only in a TF1-style graph (tf.compat.v1).
+    """
+    if model is not None:
+        broadcast_variables(list(model.variables) +
+                            optimizer_variables(getattr(model, "optimizer", None)),
+                            root_rank)
+        return
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables(root_rank) needs a graph collection of "
+            "variables, which TensorFlow 2 does not keep: call "
+            "broadcast_global_variables(root_rank, model=model), "
+            "hvd.broadcast_variables(variables, root_rank), or use "
+            "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit()")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
