@@ -9,10 +9,9 @@ input; an input must not be modified while its operation is in flight.
 import numpy as np
 
 from mpitrain import basics, dtypes
-from mpitrain.entries import Entry
+from mpitrain.entries import Handle
 from mpitrain.errors import ERROR_CLASSES
-from mpitrain.handles import GroupHandle, Handle, synchronize
-from mpitrain.messages import Request
+from mpitrain.handles import GroupHandle, synchronize
 from mpitrain.ops import Adasum, Average, OpType, ReduceOp, Sum, resolve_op
 from mpitrain.process_sets import global_process_set
 
@@ -47,43 +46,49 @@ def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
     if type(array) is not np.ndarray:
         array = np.asarray(array)
     dtype = dtypes.lookup(array.dtype)
-    request = Request(name, kind, controller.rank, -1 if dtype is None else dtype.code,
-                      array.shape, op, prescale, postscale, root)
-    entry = Entry(request, dtype, array, output, Handle(name))
+    handle = Handle(name, kind, controller.rank, dtype, array.shape, op, prescale,
+                    postscale, root, array, output)
     try:
-        _check(controller, kind, array, dtype, request, output)
+        _check(controller, handle)
         if kind == OpType.ALLTOALL:
-            entry.splits = _alltoall_splits(array, splits, controller.size)
+            handle.splits = _alltoall_splits(array, splits, controller.size)
     except _Problem as problem:
-        return entry, problem
-    return entry, None
+        return handle, problem
+    return handle, None
 
 
-def _check(controller, kind, array, dtype, request, output):
-    if dtype is None:
-        raise _Problem("type", f"unsupported dtype {array.dtype}; mpitrain "
+_NEEDS_A_DIMENSION = frozenset({OpType.ALLGATHER, OpType.ALLTOALL, OpType.REDUCESCATTER})
+_SCATTER_OPS = frozenset({Average, Sum})
+
+
+def _check(controller, handle):
+    if handle.dtype is None:
+        raise _Problem("type", f"unsupported dtype {handle.input.dtype}; mpitrain "
                                f"supports {dtypes.SUPPORTED_NAMES}")
-    if request.op == Adasum:
+    kind = handle.kind
+    if handle.op == Adasum:
         raise _Problem("notimplemented", "op=Adasum is not implemented in "
                                          "mpitrain; use Average or Sum")
-    if kind == OpType.REDUCESCATTER and request.op not in (Average, Sum):
-        raise _Problem("value", "reducescatter supports only op=Average and op=Sum, "
-                                f"got {ReduceOp(request.op).name.capitalize()}")
-    if kind in (OpType.ALLGATHER, OpType.ALLTOALL, OpType.REDUCESCATTER) \
-            and array.ndim == 0:
-        raise _Problem("value", f"{kind.label} needs an array with at least one "
-                                "dimension, got a scalar")
-    if kind == OpType.BROADCAST and not 0 <= request.root < controller.size:
-        raise _Problem("value", f"root_rank {request.root} is out of range for a "
+    if kind in _NEEDS_A_DIMENSION:
+        if handle.input.ndim == 0:
+            raise _Problem("value", f"{kind.label} needs an array with at least one "
+                                    "dimension, got a scalar")
+        if kind == OpType.REDUCESCATTER and handle.op not in _SCATTER_OPS:
+            raise _Problem("value", "reducescatter supports only op=Average and "
+                                    f"op=Sum, got {ReduceOp(handle.op).name.capitalize()}")
+    elif kind == OpType.BROADCAST and not 0 <= handle.root < controller.size:
+        raise _Problem("value", f"root_rank {handle.root} is out of range for a "
                                 f"process set of {controller.size} ranks")
+    output, array = handle.output, handle.input
     if output is None:
         return
-    if output.shape != array.shape or output.dtype != array.dtype:
+    if output is not array and (output.shape != array.shape
+                                or output.dtype != array.dtype):
         raise _Problem("value", f"output of shape {output.shape} and dtype "
                                 f"{output.dtype} cannot hold the result for input "
                                 f"of shape {array.shape} and dtype {array.dtype}")
-    sends_only = kind == OpType.BROADCAST and request.root == controller.rank
-    if not output.flags.writeable and not sends_only:
+    if not output.flags.writeable and not (kind == OpType.BROADCAST
+                                           and handle.root == controller.rank):
         raise _Problem("value", "the output array is read-only")
 
 
@@ -105,29 +110,29 @@ def _alltoall_splits(array, splits, size):
 
 
 def _submit(engine, controller, prepared):
-    """Enqueue prepared entries, or raise the first local problem.
+    """Enqueue prepared handles, or raise the first local problem.
 
-    With a problem, every entry is still enqueued, without a handle, carrying
-    the error: the other ranks then fail the same names instead of waiting.
+    With a problem, every handle is still enqueued, carrying the error: the
+    other ranks then fail the same names instead of waiting.
     """
     problems = [p for _, p in prepared if p is not None]
-    entries = [entry for entry, _ in prepared]
+    handles = [handle for handle, _ in prepared]
     if not problems:
-        if len(entries) == 1:
-            engine.enqueue(controller, entries[0])
+        if len(handles) == 1:
+            engine.enqueue(controller, handles[0])
         else:
-            engine.enqueue_many(controller, entries)
-        return [entry.handle for entry in entries]
+            engine.enqueue_many(controller, handles)
+        return handles
     first = problems[0]
-    for entry in entries:
-        entry.handle = None
-        entry.request.error = str(first)
-        entry.request.error_kind = first.kind
-    engine.enqueue_many(controller, entries)
-    names = ", ".join(f"'{entry.request.name}'" for entry in entries)
+    for handle in handles:
+        handle.ghost = True
+        handle.error = str(first)
+        handle.error_kind = first.kind
+    engine.enqueue_many(controller, handles)
+    names = ", ".join(f"'{handle.name}'" for handle in handles)
     raise ERROR_CLASSES[first.kind](
-        f"{entries[0].request.kind.label} of {names} failed on rank "
-        f"{controller.rank}: {first}")
+        f"{handles[0].kind.label} of {names} failed on rank {controller.rank}: "
+        f"{first}")
 
 
 def _one(kind, array, name, process_set, **params):
@@ -135,11 +140,11 @@ def _one(kind, array, name, process_set, **params):
     controller = _controller(engine, process_set)
     if name is None:
         name = controller.automatic_name(kind)
-    entry, problem = _prepare(controller, kind, array, name, **params)
+    handle, problem = _prepare(controller, kind, array, name, **params)
     if problem is None:
-        engine.enqueue(controller, entry)
-        return entry.handle
-    return _submit(engine, controller, [(entry, problem)])[0]
+        engine.enqueue(controller, handle)
+        return handle
+    return _submit(engine, controller, [(handle, problem)])[0]
 
 
 def _group(kind, arrays, name, process_set, outputs=None, **params):
@@ -261,9 +266,8 @@ def grouped_reducescatter(arrays, op=Average, name=None,
 def _control(kind, name, process_set, shape=(), problem=None):
     engine = basics.engine()
     controller = _controller(engine, process_set)
-    request = Request(name, kind, controller.rank, shape=shape)
-    entry = Entry(request, None, None, None, Handle(name))
-    return _submit(engine, controller, [(entry, problem)])[0]
+    handle = Handle(name, kind, controller.rank, None, shape)
+    return _submit(engine, controller, [(handle, problem)])[0]
 
 
 def barrier(process_set=global_process_set):

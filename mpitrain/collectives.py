@@ -70,12 +70,15 @@ class Executor:
                 and dtype.numpy == wire):
             yield from self._allreduce_alone(first, entry, factor)
             return
-        buffer = self.buffers.get(wire, group.total)
+        whole = self.buffers.get(wire, group.total)
+        buffer = whole[:group.total]
         names = group.names
         timeline = self.timeline.current
         if timeline is not None:
             timeline.begin(names, "MEMCPY_IN_FUSION_BUFFER")
-        sources = [np.zeros(count, wire) if member is None else member.input.reshape(-1)
+        sources = [np.zeros(count, wire) if member is None
+                   else member.input if member.input.ndim == 1
+                   else member.input.reshape(-1)
                    for member, count in zip(members, group.counts)]
         np.concatenate(sources, out=buffer, casting="unsafe")
         if first.prescale != 1.0:
@@ -86,15 +89,13 @@ class Executor:
                                   self.channel.allreduce(buffer, first.op))
         if timeline is not None:
             timeline.begin(names, "MEMCPY_OUT_FUSION_BUFFER")
-        offset = 0
-        for response, member, count in zip(group.responses, members, group.counts):
-            start, offset = offset, offset + count
+        for response, member, view in zip(group.responses, members, group.views(whole)):
             if member is None:
                 continue
             output = member.output
             if output is None:
                 output = np.empty(response.shape, dtype=member.dtype.numpy)
-            scale_into(buffer[start:offset].reshape(response.shape), factor, output)
+            scale_into(view, factor, output)
             self.finish(member, output)
         if timeline is not None:
             timeline.end(names)
@@ -158,7 +159,7 @@ class Executor:
         rows = scatter_rows(response.shape[0], self.channel.size)
         row = math.prod(response.shape[1:])
         counts = [n * row for n in rows]
-        send = self.buffers.get(wire, sum(counts)).reshape(response.shape)
+        send = self.buffers.get(wire, sum(counts))[:sum(counts)].reshape(response.shape)
         scale_into(entry.input, response.prescale, send)
         received = np.empty(counts[self.channel.rank], dtype=wire)
         yield from self.channel.reduce_scatter(send.reshape(-1), received, counts,

@@ -24,6 +24,7 @@ from mpitrain.stall import StallInspector
 
 HEARTBEAT = 1.0          # seconds between rounds of an idle rank
 MAX_PAUSE = 0.01         # longest pause between rounds of a rank with work
+SPIN = 50e-6             # seconds to test a fresh request before sleeping on it
 
 
 class EngineStopped(Exception):
@@ -48,9 +49,9 @@ class SetController:
         self.buffers = fusion.FusionBuffers()
         self.executor = Executor(self.channel, self.buffers, self._finish,
                                  engine.timeline)
-        self.in_flight = {}           # name -> Entry; user threads add under engine.lock
+        self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.incoming = []            # entries not yet seen by the engine
-        self.pending = {}             # name -> Entry the engine is negotiating
+        self.pending = {}             # name -> Handle the engine is negotiating
         self._done = []               # (entry, result, error) not yet published
         self._plans = {}              # (ready slots, cache generation) -> fusion plan
         self.joined = False
@@ -88,13 +89,22 @@ class SetController:
         return self.last_round_start + max(self.cycle_time, min(0.1 * idle, MAX_PAUSE))
 
     def advance(self, now):
-        """Run this set's round as far as it can go without waiting."""
+        """Run this set's round as far as it can go without waiting.
+
+        A request just started is tested for a few microseconds before the
+        engine sleeps on it: peers that are in step answer within that time.
+        """
         if self.coroutine is None:
             if now < self.next_start():
                 return
             self.coroutine = self._round()
             self._resume()
-        while self.coroutine is not None and MPI.Request.Testall(self.waiting_on):
+        while self.coroutine is not None:
+            done = MPI.Request.Testall(self.waiting_on)
+            while not done and time.monotonic() - self.wait_started < SPIN:
+                done = MPI.Request.Testall(self.waiting_on)
+            if not done:
+                return
             self._resume()
 
     def _resume(self):
@@ -133,12 +143,12 @@ class SetController:
         if new:
             self.last_progress = now
         for entry in new:
-            self.pending[entry.request.name] = entry
-            if entry.request.kind == OpType.JOIN:
+            self.pending[entry.name] = entry
+            if entry.kind == OpType.JOIN:
                 self.joined = True
-            if timeline is not None and entry.handle is not None:
-                timeline.begin([entry.request.name],
-                               "NEGOTIATE_" + entry.request.kind.name, entry.enqueued)
+            if timeline is not None and not entry.ghost:
+                timeline.begin([entry.name], "NEGOTIATE_" + entry.kind.name,
+                               entry.enqueued)
         if timeline is not None:
             timeline.cycle_start()
 
@@ -211,18 +221,18 @@ class SetController:
         for entry in self.pending.values():
             if entry.state == SENT:
                 continue
-            kind = entry.request.kind
-            use_cache = (kind in CACHEABLE and not entry.request.error
+            kind = entry.kind
+            use_cache = (kind in CACHEABLE and not entry.error
                          and not (self.any_joined and kind != OpType.ALLREDUCE))
             if entry.state == CACHED and not (use_cache
                                               and entry.generation == cache.generation):
-                result, slot = cache.lookup(entry.request.name, entry.signature)
+                result, slot = cache.lookup(entry.name, entry.signature)
                 if not use_cache or result != HIT:
                     entry.state = QUEUED
                 entry.generation = cache.generation
             if entry.state == QUEUED:
                 if use_cache:
-                    result, slot = cache.lookup(entry.request.name, entry.signature)
+                    result, slot = cache.lookup(entry.name, entry.signature)
                     if result == INVALID:
                         invalid |= 1 << slot
                         continue
@@ -255,8 +265,7 @@ class SetController:
         requests = []
         for entry in uncached:
             entry.state = SENT
-            entry.request.age = now - entry.enqueued
-            requests.append(entry.request)
+            requests.append(entry.request(now))
         gathered = yield from self.channel.gather_objects(requests)
         responses = None
         if self.coordinator is not None:
@@ -274,7 +283,7 @@ class SetController:
         entries = self.pending
         if timeline is not None:
             timeline.end([name for group in groups for name in group.names
-                          if name in entries and entries[name].handle is not None])
+                          if name in entries and not entries[name].ghost])
         for group in groups:
             response = group.responses[0]
             kind = response.kind
@@ -317,18 +326,14 @@ class SetController:
             for entry, _, _ in done:
                 successor = entry.successor
                 if successor is None:
-                    self.in_flight.pop(entry.request.name, None)
+                    self.in_flight.pop(entry.name, None)
                 else:
-                    self.in_flight[entry.request.name] = successor
+                    self.in_flight[entry.name] = successor
                     self.incoming.append(successor)
+        pending = self.pending
         for entry, value, error in done:
-            self.pending.pop(entry.request.name, None)
-            handle = entry.handle
-            if handle is not None:
-                if error is None:
-                    handle.set_result(value)
-                else:
-                    handle.set_error(error)
+            pending.pop(entry.name, None)
+            entry.publish(value, error)
         notify_waiters()
 
     # -- called by user threads ----------------------------------------------

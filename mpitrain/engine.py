@@ -70,8 +70,8 @@ class Engine:
     # -- called by user threads ------------------------------------------------
 
     def enqueue(self, controller, entry):
-        """Hand one entry to the engine (the hot path of every async call)."""
-        name = entry.request.name
+        """Hand one handle to the engine (the hot path of every async call)."""
+        name = entry.name
         with self.lock:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
@@ -79,7 +79,7 @@ class Engine:
             if existing is None:
                 controller.in_flight[name] = entry
                 controller.incoming.append(entry)
-            elif existing.handle is None and existing.successor is None:
+            elif existing.ghost and existing.successor is None:
                 existing.successor = entry
             else:
                 raise _duplicate(name, controller)
@@ -93,7 +93,7 @@ class Engine:
         A name still in flight is a ValueError, unless it belongs to an entry
         that already failed locally: the new one then waits behind it.
         """
-        names = [entry.request.name for entry in entries]
+        names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
             raise ValueError(f"a grouped call repeats names: {names}")
         with self.lock:
@@ -102,7 +102,7 @@ class Engine:
             for name in names:
                 existing = controller.in_flight.get(name)
                 if existing is not None and not (
-                        existing.handle is None and existing.successor is None):
+                        existing.ghost and existing.successor is None):
                     raise _duplicate(name, controller)
             for name, entry in zip(names, entries):
                 existing = controller.in_flight.get(name)

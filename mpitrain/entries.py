@@ -1,26 +1,91 @@
-"""An entry: this rank's submission of one named operation."""
+"""A handle: one operation submitted on this rank, and later its result.
+
+Async calls return it, ``poll`` and ``synchronize`` read it, and the engine
+keeps it while the operation is in flight: one object per call keeps the
+submission path short.
+"""
 
 import time
+
+from mpitrain.handles import completed
+from mpitrain.messages import Request
+from mpitrain.ops import OpType
 
 QUEUED, CACHED, SENT = range(3)   # waiting to be sorted, served by the cache, at the coordinator
 
 
-class Entry:
-    """This rank's submission of one named operation."""
+def signature(kind, dtype_code, shape, op, prescale, postscale, root):
+    """What must be identical for a cached response to serve a request.
 
-    __slots__ = ("request", "signature", "dtype", "input", "output", "splits",
-                 "handle", "enqueued", "state", "slot", "generation", "successor")
+    Alltoall may send a different number of rows each time; its other
+    dimensions must still match.
+    """
+    if kind == OpType.ALLTOALL:
+        shape = shape[1:]
+    return (kind, dtype_code, shape, op, prescale, postscale, root)
 
-    def __init__(self, request, dtype, input, output, handle, splits=None):
-        self.request = request
-        self.signature = request.signature()
-        self.dtype = dtype
+
+class Handle:
+    """The pending result of one collective call on this rank."""
+
+    __slots__ = ("name", "kind", "rank", "dtype", "shape", "op", "prescale",
+                 "postscale", "root", "input", "output", "splits", "signature",
+                 "enqueued", "state", "slot", "generation", "successor", "error",
+                 "error_kind", "ghost", "_done", "_value", "_error")
+
+    def __init__(self, name, kind, rank, dtype, shape, op=0, prescale=1.0,
+                 postscale=1.0, root=-1, input=None, output=None):
+        self.name = name
+        self.kind = kind
+        self.rank = rank                  # within the process set
+        self.dtype = dtype                # mpitrain.dtypes.DType, or None
+        self.shape = shape
+        self.op = op
+        self.prescale = prescale
+        self.postscale = postscale
+        self.root = root
         self.input = input
         self.output = output
-        self.splits = splits
-        self.handle = handle          # None: a local error already raised to the caller
+        self.splits = None
+        self.signature = signature(kind, -1 if dtype is None else dtype.code, shape,
+                                   op, prescale, postscale, root)
         self.enqueued = time.monotonic()
         self.state = QUEUED
-        self.slot = None              # the cache slot, while CACHED ...
-        self.generation = -1          # ... as of this cache generation
-        self.successor = None         # the same name, submitted again after a local error
+        self.slot = None                  # the cache slot, while CACHED ...
+        self.generation = -1              # ... as of this cache generation
+        self.successor = None             # the same name, submitted again after a local error
+        self.error = ""                   # a local argument error, sent to the other ranks
+        self.error_kind = ""
+        self.ghost = False                # the caller already got the local error
+        self._done = False
+        self._value = None
+        self._error = None
+
+    def request(self, now):
+        """The record sent to the coordinator."""
+        return Request(self.name, self.kind, self.rank,
+                       -1 if self.dtype is None else self.dtype.code, self.shape,
+                       self.op, self.prescale, self.postscale, self.root,
+                       self.error, self.error_kind, now - self.enqueued)
+
+    def done(self):
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            with completed:
+                while not self._done:
+                    completed.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def publish(self, value, error):
+        self.input = self.output = None       # keep the caller's arrays no longer
+        self._value = value
+        self._error = error
+        self._done = True
+
+    def __repr__(self):
+        state = "done" if self._done else "pending"
+        return f"<mpitrain handle {self.name!r} {state}>"

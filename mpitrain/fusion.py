@@ -20,7 +20,8 @@ def _fusion_of(response):
 class Group:
     """Responses executed together, with the layout of their fusion buffer."""
 
-    __slots__ = ("responses", "names", "counts", "total", "nbytes")
+    __slots__ = ("responses", "names", "counts", "total", "nbytes", "_views",
+                 "_views_of")
 
     def __init__(self, response, nbytes=0):
         self.responses = [response]
@@ -28,6 +29,22 @@ class Group:
         self.counts = [math.prod(response.shape)]
         self.total = self.counts[0]
         self.nbytes = nbytes
+        self._views = None
+        self._views_of = None
+
+    def views(self, buffer):
+        """One view of ``buffer`` per response, shaped like it.
+
+        Steady-state plans are reused, and so are their views, while the
+        fusion buffer stays the same.
+        """
+        if self._views_of is not buffer:
+            views, offset = [], 0
+            for response, count in zip(self.responses, self.counts):
+                views.append(buffer[offset:offset + count].reshape(response.shape))
+                offset += count
+            self._views, self._views_of = views, buffer
+        return self._views
 
     def add(self, response, nbytes):
         self.responses.append(response)
@@ -69,7 +86,8 @@ class FusionBuffers:
         self._buffers = {}
 
     def get(self, dtype, count):
+        """A 1-D buffer of at least ``count`` elements."""
         buffer = self._buffers.get(dtype)
         if buffer is None or buffer.size < count:
             buffer = self._buffers[dtype] = np.empty(count, dtype=dtype)
-        return buffer[:count]
+        return buffer

@@ -23,16 +23,6 @@ class Request:
     error_kind: str = ""
     age: float = 0.0           # seconds between enqueue and sending
 
-    def signature(self):
-        """What must be identical for a cached response to serve this request.
-
-        Alltoall may send a different number of rows each time; its other
-        dimensions must still match.
-        """
-        shape = self.shape[1:] if self.kind == OpType.ALLTOALL else self.shape
-        return (self.kind, self.dtype, shape, self.op, self.prescale,
-                self.postscale, self.root)
-
 
 @dataclasses.dataclass(slots=True)
 class Response:

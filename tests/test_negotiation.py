@@ -5,6 +5,7 @@ import numpy as np
 from mpitrain import control, dtypes
 from mpitrain.cache import HIT, INVALID, MISS, ResponseCache
 from mpitrain.coordinator import Coordinator
+from mpitrain.entries import signature
 from mpitrain.messages import Request
 from mpitrain.ops import OpType, Sum
 
@@ -55,11 +56,12 @@ def test_cache_hits_invalidates_and_evicts_least_recently_used():
     cache = ResponseCache(2)
     first, second, third = (Coordinator(1).receive([[request(0, name=n)]], 0)[0]
                             for n in "abc")
-    sig = request(0).signature()
+    sig = signature(OpType.ALLREDUCE, FLOAT32, (2, 3), Sum, 1.0, 1.0, -1)
     cache.put(first, sig)
     cache.put(second, sig)
     assert cache.lookup("a", sig) == (HIT, 0)
-    assert cache.lookup("a", request(0, shape=(9,)).signature()) == (INVALID, 0)
+    other = signature(OpType.ALLREDUCE, FLOAT32, (9,), Sum, 1.0, 1.0, -1)
+    assert cache.lookup("a", other) == (INVALID, 0)
     cache.touch([0])                               # "b" is now least recently used
     cache.put(third, sig)
     assert cache.lookup("b", sig) == (MISS, None)
