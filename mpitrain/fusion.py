@@ -8,6 +8,11 @@ from mpitrain import dtypes
 from mpitrain.ops import OpType
 
 
+# Copying into and out of the fusion buffer costs more than a separate MPI
+# call from about this size up (measured with Open MPI over shared memory).
+ALONE_BYTES = 512 * 1024
+
+
 def _fusion_of(response):
     """(what must match to share a buffer, bytes in the buffer), computed once."""
     if not response.fusion:
@@ -59,9 +64,11 @@ def plan(responses, threshold):
     """Split a round's responses into groups executed together.
 
     Allreduces that reduce in the same dtype with the same op and scale
-    factors share a group until it would exceed ``threshold`` bytes; every
-    other response runs alone. The plan depends only on the responses, which
-    are identical on every rank, so every rank fuses identically.
+    factors share a group until it would exceed ``threshold`` bytes; an
+    allreduce of ALONE_BYTES or more, which needs no conversion, is reduced
+    in its own memory; every other response runs alone. The plan depends
+    only on the responses, which are identical on every rank, so every rank
+    fuses identically.
     """
     groups = []
     open_groups = {}
@@ -70,6 +77,9 @@ def plan(responses, threshold):
             groups.append(Group(response))
             continue
         key, nbytes = _fusion_of(response)
+        if nbytes >= ALONE_BYTES and key[0] == dtypes.BY_CODE[response.dtype].numpy:
+            groups.append(Group(response, nbytes))
+            continue
         current = open_groups.get(key)
         if current is None or current.nbytes + nbytes > threshold:
             current = open_groups[key] = Group(response, nbytes)
