@@ -1,0 +1,242 @@
+"""mpitrain.tensorflow.keras: training on shards equals training on the whole batch."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from tests.mpi_harness import mpi_test
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+import mpitrain.tensorflow as hvd_tf  # noqa: E402
+import mpitrain.tensorflow.keras as hvd  # noqa: E402
+
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+BATCH = 4            # per rank and step
+
+
+def one_thread():
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+
+def dataset(steps):
+    rng = np.random.default_rng(7)
+    n = hvd.size()
+    x = rng.normal(size=(steps * BATCH * n, 5)).astype(np.float32)
+    y = rng.normal(size=(steps * BATCH * n, 2)).astype(np.float32)
+    return x, y
+
+
+def shard(array, steps):
+    """This rank's part of each global batch: rows [step][rank] of the batch."""
+    n, r = hvd.size(), hvd.rank()
+    return array.reshape(steps, n, BATCH, -1)[:, r].reshape(steps * BATCH, -1)
+
+
+def reference_weights(x, y, epochs, optimizer, steps, batch_size=None):
+    """One process fitting the whole global batches, from rank 0's initial weights."""
+    model = make_model(0)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch_size or BATCH * hvd.size(), epochs=epochs,
+              shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def assert_same_on_every_rank(weights):
+    everyone = hvd.allgather_object([w.tolist() for w in weights])
+    assert all(other == everyone[0] for other in everyone), "ranks ended apart"
+
+
+def assert_close(weights, expected):
+    for got, want in zip(weights, expected):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+class RawLogs(keras.callbacks.Callback):
+    """Keeps each epoch's logs as this rank computed them, before averaging."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_fit_on_shards_equals_one_process_on_the_whole_batch():
+    one_thread()
+    steps, epochs = 3, 2
+    x, y = dataset(steps)
+    model = make_model(hvd.rank())              # ranks start apart on purpose
+    plain = keras.optimizers.SGD(0.1, momentum=0.5)
+    optimizer = hvd.DistributedOptimizer(plain)
+    assert type(optimizer).__name__ == "SGD" and isinstance(optimizer, type(plain))
+    assert optimizer.get_config() == plain.get_config()
+    model.compile(optimizer=optimizer, loss="mse")
+    raw = RawLogs()
+    history = model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, epochs=epochs,
+                        shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), raw,
+                                   hvd.callbacks.MetricAverageCallback()])
+    assert_same_on_every_rank(model.get_weights())
+    assert_close(model.get_weights(), reference_weights(
+        x, y, epochs, keras.optimizers.SGD(0.1, momentum=0.5), steps))
+    # Metrics: each rank logged its shard's loss; after averaging, all log the mean.
+    raw_everywhere = np.array(hvd.allgather_object(raw.losses))
+    assert not np.allclose(raw_everywhere[0], raw_everywhere[1])
+    np.testing.assert_allclose(history.history["loss"], raw_everywhere.mean(axis=0),
+                               rtol=1e-6)
+    assert int(optimizer.iterations.numpy()) == steps * epochs
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_custom_loop_with_distributed_gradient_tape_eager_and_tf_function():
+    one_thread()
+    steps = 3
+    x, y = dataset(steps)
+    xs, ys = shard(x, steps), shard(y, steps)
+    expected = reference_weights(x, y, 1, keras.optimizers.SGD(0.1), steps)
+    for compiled in (False, True):
+        model = make_model(hvd.rank())
+        optimizer = keras.optimizers.SGD(0.1)
+        hvd.broadcast_variables(model.variables, root_rank=0)
+
+        def train_step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(features) - labels) ** 2)
+            tape = hvd_tf.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        step = tf.function(train_step) if compiled else train_step
+        for i in range(steps):
+            step(xs[i * BATCH:(i + 1) * BATCH], ys[i * BATCH:(i + 1) * BATCH])
+        assert_same_on_every_rank(model.get_weights())
+        assert_close(model.get_weights(), expected)
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_backward_passes_per_step_aggregates_locally_then_applies_once():
+    one_thread()
+    passes, steps = 2, 4
+    x, y = dataset(steps)
+    model = make_model(0)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                         backward_passes_per_step=passes,
+                                         average_aggregated_gradients=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, epochs=1, shuffle=False,
+              verbose=0)
+    assert int(optimizer.iterations.numpy()) == steps
+    # Two passes of BATCH rows on each rank make one global batch of
+    # 2 * BATCH * size rows: this rank's rows of steps 0-1, then 2-3.
+    r, n = hvd.rank(), hvd.size()
+    by_step = x.reshape(steps, n, BATCH, 5), y.reshape(steps, n, BATCH, 2)
+    ordered = [a.reshape(steps // passes, passes, n, BATCH, -1).transpose(0, 2, 1, 3, 4)
+               .reshape(steps * n * BATCH, -1) for a in by_step]
+    assert_same_on_every_rank(model.get_weights())
+    assert_close(model.get_weights(), reference_weights(
+        *ordered, 1, keras.optimizers.SGD(0.1), steps, batch_size=passes * BATCH * n))
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_loss_scale_optimizer_wrapped_outside_skips_on_every_rank_together():
+    one_thread()
+    r = hvd.rank()
+    variable = keras.Variable(np.ones(3, np.float32))
+    inner = keras.optimizers.SGD(1.0)
+    optimizer = hvd.DistributedOptimizer(
+        keras.optimizers.LossScaleOptimizer(inner, initial_scale=8.0))
+    assert type(optimizer).__name__ == "LossScaleOptimizer"
+    bad = np.array([np.inf, 0, 0], np.float32) if r == 1 else np.zeros(3, np.float32)
+    optimizer.apply([tf.constant(bad)], [variable])          # inf on one rank only
+    assert variable.numpy().tolist() == [1.0, 1.0, 1.0]
+    assert float(optimizer.dynamic_scale.numpy()) == 4.0
+    # Scaled gradients 4 * (r + 1): reduced to 4 * mean, unscaled, applied.
+    optimizer.apply([tf.fill([3], 4.0 * (r + 1))], [variable])
+    n = hvd.size()
+    np.testing.assert_allclose(variable.numpy(), 1.0 - (n + 1) / 2)
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_warmup_and_schedule_callbacks_follow_horovods_formulas():
+    one_thread()
+    n, steps, warmup = hvd.size(), 3, 2
+    x, y = dataset(steps)
+    seen = []
+
+    class Recorder(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    history = model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, epochs=3,
+                        shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.LearningRateWarmupCallback(
+                            0.4, warmup_epochs=warmup, steps_per_epoch=steps), Recorder()])
+    expected = [0.4 / n * ((e + (b + 1) / steps) * (n - 1) / warmup + 1)
+                for e in range(warmup) for b in range(steps)]
+    expected += [expected[-1]] * steps                    # after the warmup: unchanged
+    np.testing.assert_allclose(seen, expected, rtol=1e-6)
+    assert abs(expected[warmup * steps - 1] - 0.4) < 1e-7
+    np.testing.assert_allclose(history.history["lr"], [expected[steps - 1], 0.4, 0.4],
+                               rtol=1e-6)
+    seen.clear()
+    schedule = hvd.callbacks.LearningRateScheduleCallback(
+        0.2, multiplier=lambda epoch: 0.5 ** epoch, start_epoch=1, momentum_correction=False)
+    model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, epochs=3, shuffle=False,
+              verbose=0, callbacks=[schedule, Recorder()])
+    np.testing.assert_allclose(seen, [0.4] * steps + [0.1] * steps + [0.05] * steps,
+                               rtol=1e-6)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+                  loss="mse")
+    with pytest.warns(UserWarning, match="momentum_correction is skipped"):
+        model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1)])
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_saved_model_reloads_with_a_distributed_optimizer_and_its_state():
+    one_thread()
+    steps = 2
+    x, y = dataset(steps)
+    model = make_model(hvd.rank())
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    hvd.broadcast_global_variables(0, model=model)
+    model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, verbose=0, shuffle=False)
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "model.keras")
+        model.save(path)
+        loaded = hvd.load_model(path)
+    assert type(loaded.optimizer).__name__ == "Adam"
+    assert getattr(loaded.optimizer, "_mpitrain_distributed", False)
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+    # Rank 1 trains on other data: only a reducing optimizer keeps ranks equal.
+    loaded.fit(shard(x, steps) * (hvd.rank() + 1), shard(y, steps), batch_size=BATCH,
+               verbose=0)
+    assert_same_on_every_rank(loaded.get_weights())
+    with pytest.raises(RuntimeError, match="model=model"):
+        hvd.broadcast_global_variables(0)
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_jit_compiled_fit_is_refused_with_advice():
+    one_thread()
+    x, y = dataset(1)
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                  jit_compile=True)
+    with pytest.raises(Exception, match="jit_compile=False"):
+        model.fit(shard(x, 1), shard(y, 1), batch_size=BATCH, verbose=0)
