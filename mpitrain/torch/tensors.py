@@ -1,0 +1,68 @@
+"""Torch tensors as numpy arrays for the core, and results back as tensors.
+
+CPU tensors share memory with the arrays in both directions: nothing is
+copied here. bfloat16 has no numpy type in torch, so it travels as an int16
+view that numpy reinterprets as ml_dtypes.bfloat16.
+"""
+
+import ml_dtypes
+import numpy as np
+import torch
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+             torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def as_array(tensor, what="tensor"):
+    """A numpy array sharing ``tensor``'s memory; writes to it reach the tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise TypeError(
+            f"{what} is on device '{tensor.device}', but this mpitrain build moves "
+            "CPU tensors only (mpitrain.torch.cuda_built() is False); move it with "
+            ".cpu() first")
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"{what} has layout {tensor.layout}; collectives take dense tensors "
+            "(use sparse_allreduce_async for sparse COO tensors, or .to_dense())")
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_BFLOAT16)
+    try:
+        return tensor.numpy()
+    except TypeError:
+        names = ", ".join(str(t).replace("torch.", "") for t in SUPPORTED)
+        raise TypeError(f"{what}: unsupported dtype {tensor.dtype}; mpitrain "
+                        f"supports {names}") from None
+
+
+def as_tensor(array):
+    """A tensor sharing ``array``'s memory."""
+    if array.dtype == _BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class TensorHandle:
+    """A pending collective whose result comes back as tensors.
+
+    The core's ``poll`` and ``synchronize`` work on it: they call ``done``
+    and ``wait``.
+    """
+
+    __slots__ = ("_handle", "_convert")
+
+    def __init__(self, handle, convert):
+        self._handle = handle
+        self._convert = convert       # the core's result -> what synchronize returns
+
+    def done(self):
+        return self._handle.done()
+
+    def wait(self):
+        return self._convert(self._handle.wait())
+
+    def __repr__(self):
+        return f"<mpitrain.torch {self._handle!r}>"
