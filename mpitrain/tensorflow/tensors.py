@@ -15,6 +15,16 @@ def to_numpy(tensor):
     return np.asarray(tensor)
 
 
+def aligned_empty(shape, dtype):
+    """An uninitialized array whose data TensorFlow can adopt without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    raw = np.empty(nbytes + _ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start:start + nbytes].view(dtype)[:int(np.prod(shape, dtype=np.int64))] \
+        .reshape(shape)
+
+
 def to_tensor(array):
     """An eager tensor holding ``array``, sharing its memory when it is aligned.
 
