@@ -15,8 +15,7 @@ from mpi4py import MPI
 
 from mpitrain.ops import ReduceOp
 
-CHUNK_BYTES = 4 * 1024 * 1024   # Open MPI reduces 1-16 MiB faster per byte than larger calls
-BCAST_PIECE = 1 << 30
+BCAST_PIECE = 1 << 30            # bytes per broadcast call, below MPI's count limit
 
 MPI_OPS = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM,
            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
@@ -33,9 +32,11 @@ def as_bytes(array):
 
 
 class Channel:
-    def __init__(self, comm, blocking):
+    def __init__(self, comm, blocking, chunk_size):
         self.comm = comm
         self.blocking = blocking
+        # Open MPI reduces 1-16 MiB per call faster per byte than larger calls.
+        self.chunk_size = chunk_size
         self.rank = comm.rank
         self.size = comm.size
 
@@ -44,10 +45,10 @@ class Channel:
         yield self.comm.Iallreduce(MPI.IN_PLACE, vector, MPI.BAND)
 
     def allreduce(self, buffer, op):
-        """Reduce a 1-D buffer in place, in chunks of about CHUNK_BYTES."""
+        """Reduce a 1-D buffer in place, in chunks of about chunk_size bytes."""
         mpi_op = MPI_OPS[op]
         mpi_type = _MPI_TYPES[buffer.dtype]
-        step = max(1, CHUNK_BYTES // buffer.itemsize)
+        step = max(1, self.chunk_size // buffer.itemsize)
         chunks = [buffer[i:i + step] for i in range(0, max(buffer.size, 1), step)]
         if self.blocking:
             for chunk in chunks:

@@ -8,7 +8,8 @@ MiB = 1024 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    fusion_threshold: int = 64 * MiB       # bytes of allreduce fused per call
+    fusion_threshold: int = 64 * MiB       # bytes of allreduce fused per buffer
+    chunk_size: int = 4 * MiB              # bytes per MPI allreduce call
     cycle_time_ms: float = 1.0             # pause after a round that found nothing ready
     cache_capacity: int = 1024             # response-cache entries; 0 disables it
     stall_check_disable: bool = False
@@ -17,6 +18,9 @@ class Config:
     stall_shutdown_time: float = 600.0     # seconds before a stall ends the job; 0 never
     timeline: str = ""                     # Chrome-trace file written by rank 0
     timeline_mark_cycles: bool = False
+    autotune: bool = False                 # tune fusion, chunk and cycle on the live job
+    autotune_log: str = ""                 # CSV file of what autotune tried (rank 0)
+    explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
 
 
 def _nonnegative_int(text):
@@ -29,6 +33,13 @@ def _nonnegative_int(text):
 def _positive_float(text):
     value = float(text)
     if not value > 0 or value == float("inf"):
+        raise ValueError
+    return value
+
+
+def _positive_int(text):
+    value = int(text)
+    if value <= 0:
         raise ValueError
     return value
 
@@ -53,6 +64,7 @@ _VARIABLES = {
     # field: (suffix, parser, what it accepts)
     "fusion_threshold": ("FUSION_THRESHOLD", _nonnegative_int,
                          "a whole number of bytes >= 0 (0 disables fusion)"),
+    "chunk_size": ("CHUNK_SIZE", _positive_int, "a whole number of bytes > 0"),
     "cycle_time_ms": ("CYCLE_TIME", _nonnegative_float,
                       "a number of milliseconds >= 0"),
     "cache_capacity": ("CACHE_CAPACITY", _nonnegative_int,
@@ -64,6 +76,8 @@ _VARIABLES = {
                             "a number of seconds >= 0 (0 never shuts down)"),
     "timeline": ("TIMELINE", str, "a file path"),
     "timeline_mark_cycles": ("TIMELINE_MARK_CYCLES", _flag, "0 or 1"),
+    "autotune": ("AUTOTUNE", _flag, "0 or 1"),
+    "autotune_log": ("AUTOTUNE_LOG", str, "a file path"),
 }
 
 
@@ -89,7 +103,7 @@ def from_environ(environ=None):
         except ValueError:
             raise ValueError(
                 f"{name}={text!r} is not valid: it accepts {accepts}") from None
-    return Config(**values)
+    return Config(**values, explicit=frozenset(values))
 
 
 def variable_names():

@@ -12,6 +12,7 @@ import time
 from mpi4py import MPI
 
 from mpitrain import control, fusion
+from mpitrain.autotune import Autotuner
 from mpitrain.cache import CACHEABLE, HIT, INVALID, ResponseCache
 from mpitrain.channel import Channel
 from mpitrain.collectives import Executor
@@ -19,6 +20,7 @@ from mpitrain.coordinator import Coordinator
 from mpitrain.entries import CACHED, QUEUED, SENT
 from mpitrain.errors import ERROR_CLASSES, MpitrainInternalError
 from mpitrain.handles import notify_waiters
+from mpitrain.messages import Response
 from mpitrain.ops import OpType
 from mpitrain.stall import StallInspector
 
@@ -35,7 +37,7 @@ class SetController:
     def __init__(self, engine, set_id, ranks, comm, blocking):
         self.engine = engine
         self.set_id = set_id
-        self.channel = Channel(comm, blocking)
+        self.channel = Channel(comm, blocking, engine.config.chunk_size)
         self.rank = comm.rank
         self.size = comm.size
         config = engine.config
@@ -46,6 +48,8 @@ class SetController:
         self.cache = ResponseCache(config.cache_capacity)
         self.coordinator = Coordinator(self.size) if self.rank == 0 else None
         self.stall = StallInspector(config, ranks) if self.rank == 0 else None
+        self.tuner = (Autotuner(config, time.monotonic())
+                      if config.autotune and blocking and self.rank == 0 else None)
         self.buffers = fusion.FusionBuffers()
         self.executor = Executor(self.channel, self.buffers, self._finish,
                                  engine.timeline)
@@ -158,7 +162,7 @@ class SetController:
         if self.joined:
             status |= control.JOINED
             ready |= self._allreduce_slots()
-        if uncached:
+        if uncached or (self.tuner and self.tuner.pending):
             status |= control.UNCACHED
         if self.channel.blocking and engine.stop_requested:
             status |= control.SHUTDOWN
@@ -175,7 +179,7 @@ class SetController:
         for slot in control.bits(invalid):
             self.cache.erase(slot)
         if status & control.UNCACHED:
-            fresh = yield from self._negotiate(uncached, now)
+            fresh = self._apply_parameters((yield from self._negotiate(uncached, now)))
             if not status & control.JOINED:
                 for response in fresh:
                     entry = self.pending.get(response.name)
@@ -190,8 +194,27 @@ class SetController:
         self.progressed = bool(groups)
         if groups:
             self.last_progress = time.monotonic()
-        if groups:
             yield from self._execute(groups)
+            if self.tuner:
+                reduced = [g for g in groups if g.nbytes]      # allreduces only
+                self.tuner.observe([n for g in reduced for n in g.names],
+                                   sum(g.nbytes for g in reduced), time.monotonic())
+
+    def _apply_parameters(self, responses):
+        """Switch to autotune's settings, on every rank in the same round."""
+        rest = []
+        for response in responses:
+            if response.kind != OpType.PARAMETERS:
+                rest.append(response)
+                continue
+            values = dict(response.extra)
+            self.fusion_threshold = values["fusion_threshold"]
+            self.channel.chunk_size = values["chunk_size"]
+            self.cycle_time = values["cycle_time_ms"] / 1000.0
+            self._plans.clear()
+            if self.tuner:
+                self.tuner.shipped(time.monotonic())
+        return rest
 
     def _cached_plan(self, slots):
         """The fusion plan of the cached responses in ``slots``.
@@ -275,6 +298,9 @@ class SetController:
                     for request in requests_of_rank:
                         timeline.mark(request.name, f"rank {request.rank} ready")
             responses = self.coordinator.receive(gathered, time.monotonic())
+            if self.tuner and self.tuner.pending:
+                responses.append(Response(OpType.PARAMETERS, "autotune",
+                                          extra=tuple(self.tuner.pending.items())))
         responses = yield from self.channel.bcast_object(responses)
         return responses
 

@@ -35,6 +35,7 @@ class OpType(enum.IntEnum):
     ADD_PROCESS_SET = 7
     REMOVE_PROCESS_SET = 8
     ERROR = 9
+    PARAMETERS = 10            # autotune's new settings, from the coordinator
 
     @property
     def label(self):
