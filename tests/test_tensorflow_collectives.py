@@ -210,6 +210,9 @@ def test_errors_map_to_tf_errors_and_name_the_tensor():
     with pytest.raises(tf.errors.OpError, match="mismatched shapes") as caught:
         in_graph()
     assert "'graph.shapes'" in str(caught.value)
+    bad_root = tf.function(lambda: hvd.broadcast(tf.ones([2]), root_rank=hvd.size() + 3))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="root_rank"):
+        bad_root()
     xla = tf.function(lambda x: hvd.allreduce(x), jit_compile=True)
     with pytest.raises(hvd.XlaNotSupportedError, match="jit_compile=False"):
         xla(tf.ones([2]))
