@@ -16,9 +16,12 @@ from mpitrain.torch.autograd import (
     allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
     grouped_reducescatter, reducescatter)
 from mpitrain.torch.compression import Compression
+from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.ops import (
     allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async,
     broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async,
     grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
     grouped_reducescatter_async, join, reducescatter_async, sparse_allreduce_async)
+from mpitrain.torch.optimizer import DistributedOptimizer
+from mpitrain.torch.sync_batch_norm import SyncBatchNorm
 from mpitrain.version import __version__

@@ -1,0 +1,337 @@
+"""DistributedOptimizer: gradients averaged across ranks while backward runs.
+
+Each parameter's gradient is submitted from a post-accumulate-grad hook as
+soon as autograd has produced it, so communication overlaps the rest of the
+backward pass; the reduction writes into ``p.grad`` in place. ``step()``
+waits for every submission, then steps the wrapped optimizer.
+"""
+
+import contextlib
+import warnings
+import weakref
+
+import torch
+
+from mpitrain.errors import CollectiveNotImplementedError
+from mpitrain.handles import synchronize as wait_for
+from mpitrain.objects import broadcast_object
+from mpitrain.ops import Adasum, Average, resolve_op
+from mpitrain.process_sets import global_process_set
+from mpitrain.torch.compression import Compression
+from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
+                                sparse_allreduce_async)
+
+
+class _DistributedOptimizer:
+    """Mixed in before the wrapped optimizer's class; see DistributedOptimizer."""
+
+    def _start_distributing(self, named_parameters, compression,
+                            backward_passes_per_step, op, gradient_predivide_factor,
+                            groups, sparse_as_dense, process_set):
+        self._compression = compression
+        self._passes_per_step = backward_passes_per_step
+        self._op = op
+        if op == Average:
+            # The core divides by the set's size after the sum.
+            self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
+        else:
+            self._scale = (1.0, 1.0)
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self._names = _parameter_names(self.param_groups, named_parameters)
+        self._trained = [p for group in self.param_groups for p in group["params"]
+                         if p.requires_grad]
+        self._passes_left = {p: backward_passes_per_step for p in self._trained}
+        self._group_of = _form_groups(self._trained, groups, self._names, process_set)
+        self._group_arrived = dict.fromkeys(set(self._group_of.values()), 0)
+        self._pending = {}          # parameter or group tuple -> (handle, write back)
+        self._synchronized = False
+        self._should_synchronize = True
+        if process_set.included():
+            self._register_hooks()
+
+    def _register_hooks(self):
+        this = weakref.ref(self)
+
+        def on_gradient(p):
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._gradient_ready(p)
+
+        handles = [p.register_post_accumulate_grad_hook(on_gradient)
+                   for p in self._trained]
+        # Hooks live on the parameters: remove them when this optimizer goes.
+        weakref.finalize(self, _remove_all, handles)
+
+    def _gradient_ready(self, p):
+        if self._passes_left[p] == 0:
+            raise AssertionError(
+                f"the gradient of '{self._names[p]}' was computed more than "
+                f"backward_passes_per_step={self._passes_per_step} times before "
+                "step(). Increase backward_passes_per_step to accumulate gradients "
+                "locally.")
+        self._passes_left[p] -= 1
+        if self._passes_left[p] > 0:
+            return
+        group = self._group_of.get(p)
+        if group is None:
+            self._pending[p] = self._submit(p)
+            return
+        self._group_arrived[group] += 1
+        if self._group_arrived[group] == len(group):
+            self._pending[group] = self._submit_group(group)
+
+    # -- submissions -----------------------------------------------------------
+
+    def _submit(self, p):
+        """Start reducing p.grad; returns (handle, write back of the result)."""
+        if _gradient_of(p).is_sparse and not self._sparse_as_dense:
+            handle = sparse_allreduce_async(p.grad, self._names[p], self._op,
+                                            self._process_set)
+            return handle, lambda result: setattr(p, "grad", result)
+        tensor, ctx = self._wire_form(p)
+        handle = allreduce_async_(tensor, None, self._names[p], self._op, *self._scale,
+                                  self._process_set)
+        return handle, lambda result: self._write_back(p, result, ctx)
+
+    def _submit_group(self, group):
+        for p in group:
+            if _gradient_of(p).is_sparse and not self._sparse_as_dense:
+                raise ValueError(
+                    f"'{self._names[p]}' has a sparse gradient, which a group cannot "
+                    "hold: pass sparse_as_dense=True, or leave the parameter out of "
+                    "groups")
+        tensors, contexts = zip(*[self._wire_form(p) for p in group])
+        handle = grouped_allreduce_async_(tensors, None, self._names[group[0]],
+                                          self._op, *self._scale, self._process_set)
+
+        def write_back(results):
+            for p, result, ctx in zip(group, results, contexts):
+                self._write_back(p, result, ctx)
+
+        return handle, write_back
+
+    def _wire_form(self, p):
+        """p.grad as it travels in an allreduce (dense, compressed), and its context."""
+        grad = _gradient_of(p)
+        return self._compression.compress(grad.to_dense() if grad.is_sparse else grad)
+
+    def _write_back(self, p, result, ctx):
+        result = self._compression.decompress(result, ctx)
+        if p.grad.is_sparse:
+            p.grad = result.to_sparse()
+        elif result is not p.grad:
+            p.grad.copy_(result)
+
+    # -- the optimizer's interface --------------------------------------------
+
+    def synchronize(self):
+        """Wait until every gradient is averaged across ranks.
+
+        Parameters that got no gradient on this rank contribute zeros, so
+        ranks whose graphs differ do not wait for each other forever.
+        """
+        if not self._process_set.included():
+            self._synchronized = True
+            return
+        for p in self._trained:
+            unit = self._group_of.get(p, p)
+            if unit not in self._pending:
+                self._pending[unit] = (self._submit_group(unit) if unit is not p
+                                       else self._submit(p))
+        errors = []
+        for handle, write_back in self._pending.values():
+            try:
+                write_back(wait_for(handle))
+            except Exception as error:      # wait for the rest: leave none in flight
+                errors.append(error)
+        self._pending.clear()
+        self._passes_left = dict.fromkeys(self._trained, self._passes_per_step)
+        self._group_arrived = dict.fromkeys(self._group_arrived, 0)
+        if errors:
+            raise errors[0]
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Let step() use gradients already synchronized by synchronize()."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() "
+                    "context after optimizer.synchronize(). This can cause training "
+                    "slowdown. You may want to consider using "
+                    "optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super().step() if closure is None else super().step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        if self._pending or any(left != self._passes_per_step
+                                for left in self._passes_left.values()):
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): gradients are still "
+                "being reduced into p.grad. Call zero_grad() before backward, or "
+                "after step().")
+        return super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group):
+        raise ValueError(
+            "add_param_group() on a DistributedOptimizer would leave the new "
+            "parameters' gradients unsynchronized: add the group to the optimizer "
+            "before wrapping it")
+
+
+# step() calls the wrapped class's step, which torch has already wrapped to run
+# step hooks; this stops torch from wrapping ours too and running them twice.
+_DistributedOptimizer.step.hooked = True
+
+
+def _gradient_of(p):
+    if p.grad is None:
+        # Another rank may have a gradient for p: contribute zeros.
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _remove_all(handles):
+    for handle in handles:
+        handle.remove()
+
+
+def _parameter_names(param_groups, named_parameters):
+    """Map each parameter to the name its gradient travels under."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}.{j}"
+                for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])}
+    named_parameters = list(named_parameters)
+    if not all(isinstance(item, tuple) and len(item) == 2 for item in named_parameters):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                         "tuples, usually model.named_parameters()")
+    seen, duplicates = set(), set()
+    for name, _ in named_parameters:
+        (duplicates if name in seen else seen).add(name)
+    if duplicates:
+        raise ValueError("parameter names in named_parameters must be unique; "
+                         f"found duplicates: {', '.join(sorted(duplicates))}")
+    names = {p: name for name, p in named_parameters}
+    unnamed = [f"group {i} parameter {j} (shape {tuple(p.shape)})"
+               for i, group in enumerate(param_groups)
+               for j, p in enumerate(group["params"]) if p not in names]
+    if unnamed:
+        raise ValueError("named_parameters was given but does not name every "
+                         f"parameter of the optimizer: missing {'; '.join(unnamed)}")
+    return names
+
+
+def _form_groups(trained, groups, names, process_set):
+    """Map each grouped parameter to its group (a tuple reduced in one call)."""
+    if groups is None:
+        return {}
+    if isinstance(groups, list):
+        grouped = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must be a number or a list of lists of "
+                                     f"parameters, got a {type(p).__name__} inside")
+                if p in grouped:
+                    raise ValueError(f"'{names.get(p)}' appears in more than one group")
+                grouped.add(p)
+        trained_set = set(trained)
+        formed = [tuple(p for p in group if p in trained_set) for group in groups]
+    else:
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise ValueError("groups must be a positive number of groups or a list "
+                             f"of lists of parameters, got {groups!r}")
+        # Every rank must form the same groups: follow rank 0's parameter order.
+        order = broadcast_object([names[p] for p in trained], 0,
+                                 "DistributedOptimizer.parameter_order", process_set)
+        by_name = {names[p]: p for p in trained}
+        ordered = [by_name.pop(name) for name in order if name in by_name]
+        if by_name:
+            raise ValueError(
+                f"rank {process_set.rank()} has parameters that rank 0 lacks: "
+                f"{', '.join(sorted(by_name))}; every rank must build the same model")
+        size, extra = divmod(len(ordered), groups)
+        formed, start = [], 0
+        for index in range(groups):
+            end = start + size + (1 if index < extra else 0)
+            formed.append(tuple(ordered[start:end]))
+            start = end
+    return {p: group for group in formed if group for p in group}
+
+
+def DistributedOptimizer(optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                         groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """Wrap ``optimizer`` so that step() uses gradients averaged across ranks.
+
+    The result is an instance of the wrapped optimizer's class and shares its
+    state and parameter groups; use it in place of the original.
+
+    named_parameters: (name, parameter) pairs naming every parameter; the
+        names match gradients across ranks (by position otherwise).
+    compression: Compression.none, .fp16 or .bf16, for the gradients on the wire.
+    backward_passes_per_step: backward passes accumulated locally before
+        the gradients are reduced.
+    op: Average (default) or Sum; gradient_predivide_factor f divides
+        before the sum and multiplies by f/size after (Average only).
+    groups: a number of groups, or lists of parameters; each group is reduced
+        in one grouped call once all its gradients are ready. num_groups is
+        the deprecated form.
+    sparse_as_dense: reduce sparse gradients as dense tensors; otherwise their
+        indices and values are gathered from every rank.
+    process_set: the ranks that average their gradients.
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("the optimizer is already a DistributedOptimizer")
+    op = resolve_op(op, None)
+    if op == Adasum:
+        raise CollectiveNotImplementedError(
+            "op=Adasum is not implemented in mpitrain; use Average or Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor is supported only with op=Average")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    if num_groups:
+        warnings.warn("num_groups is deprecated; pass groups=", DeprecationWarning,
+                      stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    cls = _distributed_class(type(optimizer))
+    distributed = cls.__new__(cls)
+    attributes = dict(vars(optimizer))
+    # An LR scheduler made before wrapping stores a step bound to the original
+    # optimizer as an attribute; keeping it would bypass synchronization.
+    attributes.pop("step", None)
+    distributed.__dict__.update(attributes)
+    distributed._start_distributing(named_parameters, compression,
+                                    backward_passes_per_step, op,
+                                    gradient_predivide_factor, groups,
+                                    sparse_as_dense, process_set)
+    return distributed
+
+
+_classes = {}
+
+
+def _distributed_class(base):
+    """A subclass of ``base`` (one per class), so isinstance checks still hold."""
+    if base not in _classes:
+        _classes[base] = type(base.__name__, (_DistributedOptimizer, base),
+                              {"__module__": base.__module__})
+    return _classes[base]

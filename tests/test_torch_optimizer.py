@@ -1,0 +1,319 @@
+"""DistributedOptimizer: N ranks on shards train like one process on the whole batch."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpitrain.torch as hvd
+from tests.mpi_harness import mpi_test
+
+torch.set_num_threads(1)
+
+ROWS = 4        # rows per rank and backward pass
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(step, rows):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 3, generator=generator)
+
+
+def assert_identical_across_ranks(model):
+    mine = [p.detach().numpy().tobytes() for p in model.parameters()]
+    assert all(other == mine for other in hvd.allgather_object(mine)), \
+        "parameters differ between ranks"
+
+
+def assert_close(model, reference, atol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=atol, msg=name)
+
+
+def local_gradients(model, loss):
+    """The gradients this rank alone computes, on a copy without hooks (zeros for none)."""
+    loss.backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+             for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
+def check_against_one_process(make_optimizer, steps=4, passes=1, atol=1e-6, **options):
+    r, n = hvd.rank(), hvd.size()
+    reference, model = make_model(), make_model()
+    reference_optimizer = make_optimizer(reference.parameters())
+    optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=passes, **options)
+    for step in range(steps):
+        x, y = batch(step, n * passes * ROWS)
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+
+        optimizer.zero_grad()
+        mine = slice(r * passes * ROWS, (r + 1) * passes * ROWS)
+        for part in torch.arange(passes * ROWS).split(ROWS):
+            (F.mse_loss(model(x[mine][part]), y[mine][part]) / passes).backward()
+        optimizer.step()
+        assert_close(model, reference, atol)
+        assert_identical_across_ranks(model)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+@mpi_test()
+def test_sgd_with_momentum_matches_one_process_on_the_whole_batch():
+    check_against_one_process(sgd)
+
+
+@mpi_test()
+def test_adam_matches_one_process_on_the_whole_batch():
+    check_against_one_process(adam, atol=1e-5)
+
+
+@mpi_test()
+def test_two_backward_passes_per_step_accumulate_locally():
+    check_against_one_process(sgd, passes=2)
+
+
+@mpi_test()
+def test_groups_by_count_and_by_list():
+    check_against_one_process(adam, atol=1e-5, groups=2)
+    model = make_model()
+    first = list(model[0].parameters())
+    check_against_one_process(sgd, groups=[first])     # new model: these are foreign
+    check_against_one_process(sgd, num_groups=3)
+
+
+@mpi_test()
+def test_compressed_gradients_stay_close():
+    for compression in (hvd.Compression.fp16, hvd.Compression.bf16):
+        check_against_one_process(sgd, steps=2, atol=2e-2, compression=compression)
+
+
+@mpi_test()
+def test_sum_and_predivide_factor():
+    n = hvd.size()
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         op=hvd.Sum)
+    copy = make_model()
+    x, y = batch(hvd.rank(), ROWS)
+    grads = local_gradients(copy, F.mse_loss(copy(x), y))
+    F.mse_loss(model(x), y).backward()
+    optimizer.synchronize()
+    everyone = hvd.allgather_object(grads)
+    for p, parts in zip(model.parameters(), zip(*everyone)):
+        torch.testing.assert_close(p.grad, sum(parts), rtol=1e-5, atol=1e-6)
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    check_against_one_process(sgd, gradient_predivide_factor=float(n))
+    with pytest.raises(ValueError, match="only with op=Average"):
+        hvd.DistributedOptimizer(sgd(make_model().parameters()), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+
+
+@mpi_test()
+def test_parameters_without_gradient_on_some_ranks_get_zeros_instead_of_a_hang():
+    r = hvd.rank()
+
+    def two_heads():
+        torch.manual_seed(1)
+        return torch.nn.ModuleDict({"body": torch.nn.Linear(4, 4),
+                                    "a": torch.nn.Linear(4, 1), "b": torch.nn.Linear(4, 1)})
+
+    def loss_of(net, x):
+        head = net["a"] if r == 0 else net["b"]       # rank 0 never touches head b
+        return head(net["body"](x)).pow(2).mean()
+
+    model, copy = two_heads(), two_heads()
+    x = batch(r, ROWS)[0][:, :4]
+    grads = local_gradients(copy, loss_of(copy, x))
+    everyone = hvd.allgather_object(grads)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    loss_of(model, x).backward()
+    optimizer.step()
+    for (name, p), parts in zip(model.named_parameters(), zip(*everyone)):
+        torch.testing.assert_close(p.grad, sum(parts) / hvd.size(), rtol=1e-5, atol=1e-7,
+                                   msg=name)
+    assert_identical_across_ranks(model)
+
+
+@mpi_test()
+def test_gradscaler_and_clipping_recipe_with_skip_synchronize():
+    """synchronize(), unscale_, clip, then step inside skip_synchronize()."""
+    r, n = hvd.rank(), hvd.size()
+    reference, model = make_model(), make_model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                         named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    for step in range(3):
+        x, y = batch(step, n * ROWS)
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
+        reference_optimizer.step()
+
+        optimizer.zero_grad()
+        mine = slice(r * ROWS, (r + 1) * ROWS)
+        scaler.scale(F.mse_loss(model(x[mine]), y[mine])).backward()
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+        scaler.update()
+        assert_close(model, reference)
+    # An overflow on one rank reaches every rank: all skip the step together.
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x[:ROWS]), y[:ROWS]) * (float("inf") if r == 0 else 1.0)
+    scaler.scale(loss).backward()
+    optimizer.synchronize()
+    scaler.unscale_(optimizer)
+    with optimizer.skip_synchronize():
+        scaler.step(optimizer)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert hvd.allgather_object(scaler.get_scale()) == [2.0 ** 11] * n
+
+
+@mpi_test()
+def test_step_after_synchronize_warns_and_still_steps():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()))
+    F.mse_loss(model(batch(0, ROWS)[0]), batch(0, ROWS)[1]).backward()
+    optimizer.synchronize()
+    with pytest.warns(UserWarning, match="without optimizer.skip_synchronize"):
+        optimizer.step()
+    assert_identical_across_ranks(model)
+
+
+@mpi_test()
+def test_zero_grad_with_gradients_in_flight_is_an_error():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         backward_passes_per_step=2)
+    x, y = batch(0, ROWS)
+    F.mse_loss(model(x), y).backward()              # accumulated, not yet sent
+    with pytest.raises(AssertionError, match="zero_grad"):
+        optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()              # sent now
+    with pytest.raises(AssertionError, match="zero_grad"):
+        optimizer.zero_grad()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step=2"):
+        F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert_identical_across_ranks(model)
+
+
+@mpi_test()
+def test_wrapping_keeps_the_class_and_checks_names():
+    model = make_model()
+    adam_optimizer = adam(model.parameters())
+    optimizer = hvd.DistributedOptimizer(adam_optimizer,
+                                         named_parameters=model.named_parameters())
+    assert isinstance(optimizer, torch.optim.Adam) and type(optimizer).__name__ == "Adam"
+    assert optimizer.param_groups is adam_optimizer.param_groups
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="unique.*0.weight"):
+        hvd.DistributedOptimizer(sgd(model.parameters()),
+                                 named_parameters=named + [("0.weight", named[0][1])])
+    with pytest.raises(ValueError, match="does not name every parameter"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named[:2])
+    with pytest.raises(ValueError, match="already a DistributedOptimizer"):
+        hvd.DistributedOptimizer(optimizer)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="before wrapping"):
+        optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+@mpi_test()
+def test_a_parameter_shaped_differently_on_one_rank_fails_every_rank():
+    r = hvd.rank()
+    model = torch.nn.Linear(3, 2 + (r > 0))
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=[("head.weight", model.weight),
+                                                           ("head.bias", model.bias)])
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(hvd.MismatchError, match="mismatch") as caught:
+        optimizer.step()
+    assert "'head.weight'" in str(caught.value) or "'head.bias'" in str(caught.value)
+    with pytest.raises(hvd.MismatchError):    # not "already in flight": none is left
+        optimizer.synchronize()
+    optimizer.zero_grad()
+
+
+def embedding_loss(embedding, ids):
+    return embedding(ids).pow(2).sum() / ids.numel()
+
+
+@mpi_test()
+def test_sparse_gradients_gathered_or_as_dense():
+    r, n = hvd.rank(), hvd.size()
+    ids = torch.arange(n * 3).remainder(7).view(n, 3)
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(2)
+        reference = torch.nn.Embedding(7, 2, sparse=True)
+        model = torch.nn.Embedding(7, 2, sparse=True)
+        model.load_state_dict(reference.state_dict())
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                             sparse_as_dense=sparse_as_dense)
+        for _ in range(2):
+            reference_optimizer.zero_grad()
+            embedding_loss(reference, ids).backward()
+            reference_optimizer.step()
+            optimizer.zero_grad()
+            embedding_loss(model, ids[r]).backward()
+            optimizer.synchronize()
+            assert model.weight.grad.is_sparse
+            with optimizer.skip_synchronize():
+                optimizer.step()
+            torch.testing.assert_close(model.weight, reference.weight)
+            assert_identical_across_ranks(model)
+
+
+@mpi_test(np=(3,))
+def test_a_process_set_averages_among_its_members_only():
+    r = hvd.rank()
+    pair = hvd.add_process_set([0, 1])
+    try:
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(sgd(model.parameters()), process_set=pair)
+        x, y = batch(r, ROWS)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        alone = make_model()
+        F.mse_loss(alone(x), y).backward()
+        sgd(alone.parameters()).step()
+        params = hvd.allgather_object([p.detach() for p in model.parameters()])
+        assert all(torch.equal(p, q) for p, q in zip(params[0], params[1]))
+        assert not torch.equal(params[0][0], params[2][0])
+        if r == 2:
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), alone.parameters()))
+    finally:
+        hvd.remove_process_set(pair)
