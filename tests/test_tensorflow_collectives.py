@@ -218,3 +218,32 @@ def test_errors_map_to_tf_errors_and_name_the_tensor():
         xla(tf.ones([2]))
     np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(),
                                   [hvd.size()] * 2)
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
+    one_thread()
+    r, n = hvd.rank(), hvd.size()
+    a, b = tf.Variable(tf.ones([2, 3])), tf.Variable(tf.ones([6]))
+
+    def gradients(scale, sources):
+        with tf.GradientTape() as tape:
+            loss = scale * (tf.reduce_sum(a) + 2.0 * tf.reduce_sum(b))
+        return hvd.DistributedGradientTape(tape).gradient(loss, sources)
+
+    for run in (lambda scale: gradients(scale, [a, b]),
+                tf.function(lambda scale: gradients(scale, [a, b]))):
+        held = [run(tf.constant(float(r + 1))) for _ in range(3)]   # all kept alive
+        later = run(tf.constant(10.0 * (r + 1)))
+        for ga, gb in held:                 # earlier results untouched by later steps
+            np.testing.assert_allclose(ga.numpy(), np.full((2, 3), (n + 1) / 2))
+            np.testing.assert_allclose(gb.numpy(), np.full(6, n + 1.0))
+        np.testing.assert_allclose(later[1].numpy(), np.full(6, 10.0 * (n + 1)))
+    # Same sizes, other order on rank 1: the packed buffers would line up
+    # unrelated gradients; every rank must refuse, naming every rank's shapes.
+    sources = [a, b] if r != 1 else [b, a]
+    with pytest.raises(tf.errors.FailedPreconditionError, match="mismatched gradient shapes"
+                       ) as caught:
+        gradients(1.0, sources)
+    assert "rank 0: [(2, 3), (6,)]" in str(caught.value)
+    assert "rank 1: [(6,), (2, 3)]" in str(caught.value)

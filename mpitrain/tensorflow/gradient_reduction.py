@@ -4,8 +4,10 @@ import tensorflow as tf
 
 from mpitrain.ops import Adasum, Average, ReduceOp
 from mpitrain.process_sets import global_process_set
+from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.compression import Compression
-from mpitrain.tensorflow.primitives import reduce_dense
+from mpitrain.tensorflow.packed import PACKABLE, PackedReducer
+from mpitrain.tensorflow.primitives import allreduce_arrays
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
 
 
@@ -42,6 +44,7 @@ class GradientReducer:
         self.postscale = gradient_predivide_factor
         self.groups = groups
         self.process_set = process_set
+        self.packed = PackedReducer()
 
     def reduce(self, gradients, variables=None):
         """The reduced gradients, in order; ``variables`` matter only for groups."""
@@ -61,11 +64,30 @@ class GradientReducer:
         for members in self._split(dense, variables):
             compressed = [self.compression.compress(tf.convert_to_tensor(gradients[i]))
                           for i in members]
-            reduced = reduce_dense([c for c, _ in compressed], self.op, self.prescale,
-                                   self.postscale, None, self.process_set)
+            reduced = self._reduce_group([c for c, _ in compressed])
             for i, value, (_, context) in zip(members, reduced, compressed):
                 results[i] = self.compression.decompress(value, context)
         return results
+
+    def _reduce_group(self, tensors):
+        """One op; float32/float64 gradients go through packed buffers, one per dtype."""
+        name = graph_op.collective_name(None, "gradients")
+
+        def body(arrays):
+            results = [None] * len(arrays)
+            by_dtype = {}
+            for i, array in enumerate(arrays):
+                by_dtype.setdefault(array.dtype, []).append(i)
+            for dtype, members in by_dtype.items():
+                part = None if name is None else f"{name}.{dtype.name}"
+                reduce = self.packed.reduce if dtype in PACKABLE else allreduce_arrays
+                values = reduce([arrays[i] for i in members], part, self.op, self.prescale,
+                                self.postscale, self.process_set)
+                for i, value in zip(members, values):
+                    results[i] = value
+            return results
+        return graph_op.run(body, tensors, [t.dtype for t in tensors],
+                            [t.shape for t in tensors], "allreduce")
 
     def _split(self, indices, variables):
         if not indices:

@@ -11,25 +11,27 @@ from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.tensors import aligned_empty
 
 
+def allreduce_arrays(arrays, name, op, prescale_factor, postscale_factor, process_set):
+    """Reduce numpy arrays together; results land in buffers TensorFlow adopts as they are."""
+    outputs = [aligned_empty(a.shape, a.dtype) for a in arrays]
+    if len(arrays) == 1:     # the name stays the caller's, as errors show it
+        handle = mt.allreduce_async(arrays[0], name=name, op=op,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor,
+                                    process_set=process_set, output=outputs[0])
+        return [mt.synchronize(handle)]
+    return mt.synchronize(mt.grouped_allreduce_async(
+        arrays, name=name, op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set, outputs=outputs))
+
+
 def reduce_dense(tensors, op, prescale_factor, postscale_factor, name, process_set):
     """Reduce dense tensors, all submitted together by one op."""
     name = graph_op.collective_name(name, "allreduce")
-
-    def body(arrays):
-        # Results land in buffers TensorFlow adopts as they are, without a copy.
-        outputs = [aligned_empty(a.shape, a.dtype) for a in arrays]
-        if len(arrays) == 1:     # the name stays the caller's, as errors show it
-            handle = mt.allreduce_async(arrays[0], name=name, op=op,
-                                        prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor,
-                                        process_set=process_set, output=outputs[0])
-            return [mt.synchronize(handle)]
-        return mt.synchronize(mt.grouped_allreduce_async(
-            arrays, name=name, op=op, prescale_factor=prescale_factor,
-            postscale_factor=postscale_factor, process_set=process_set,
-            outputs=outputs))
-    return graph_op.run(body, tensors, [t.dtype for t in tensors],
-                        [t.shape for t in tensors], "allreduce")
+    return graph_op.run(
+        lambda arrays: allreduce_arrays(arrays, name, op, prescale_factor,
+                                        postscale_factor, process_set),
+        tensors, [t.dtype for t in tensors], [t.shape for t in tensors], "allreduce")
 
 
 def _gathered_shape(shape):
