@@ -239,6 +239,14 @@ def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
             np.testing.assert_allclose(ga.numpy(), np.full((2, 3), (n + 1) / 2))
             np.testing.assert_allclose(gb.numpy(), np.full(6, n + 1.0))
         np.testing.assert_allclose(later[1].numpy(), np.full(6, 10.0 * (n + 1)))
+    with tf.GradientTape() as tape:
+        loss = float(r + 1) * (tf.reduce_sum(a) + 2.0 * tf.reduce_sum(b))
+    options = dict(groups=[[b]], compression=hvd.Compression.fp16, op=hvd.Sum,
+                   gradient_predivide_factor=1.0)
+    ga, gb = hvd.DistributedGradientTape(tape, **options).gradient(loss, [a, b])
+    assert ga.dtype == gb.dtype == tf.float32
+    np.testing.assert_allclose(ga.numpy(), np.full((2, 3), n * (n + 1) / 2))
+    np.testing.assert_allclose(gb.numpy(), np.full(6, n * (n + 1.0)))
     # Same sizes, other order on rank 1: the packed buffers would line up
     # unrelated gradients; every rank must refuse, naming every rank's shapes.
     sources = [a, b] if r != 1 else [b, a]
