@@ -240,3 +240,27 @@ def test_jit_compiled_fit_is_refused_with_advice():
                   jit_compile=True)
     with pytest.raises(Exception, match="jit_compile=False"):
         model.fit(shard(x, 1), shard(y, 1), batch_size=BATCH, verbose=0)
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_fit_with_embedding_gradients_sparse_and_densified():
+    one_thread()
+    n, r = hvd.size(), hvd.rank()
+    ids = np.random.default_rng(0).integers(0, 50, size=(8 * n, 4))
+    y = np.random.default_rng(1).normal(size=(8 * n, 1)).astype(np.float32)
+    whole = np.concatenate([np.arange(k, 8 * n, n) for k in range(n)])
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,), dtype="int32"),
+                                 keras.layers.Embedding(50, 3), keras.layers.Flatten(),
+                                 keras.layers.Dense(1)])
+    reference = model()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.fit(ids[whole], y[whole], batch_size=8 * n, epochs=2, shuffle=False, verbose=0)
+    for sparse_as_dense in (False, True):
+        trained = model()
+        trained.compile(optimizer=hvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), sparse_as_dense=sparse_as_dense), loss="mse")
+        trained.fit(ids[r::n], y[r::n], batch_size=8, epochs=2, shuffle=False, verbose=0)
+        assert_close(trained.get_weights(), reference.get_weights())
