@@ -1,17 +1,26 @@
-"""mpitrain's allreduce against one raw mpi4py Allreduce of the same bytes.
+"""Allreduce speed: mpitrain against raw mpi4py and torch.distributed (gloo).
 
-Run on 2 ranks:  mpitrainrun -np 2 python benchmarks/allreduce.py
+Run on 2 ranks (3 or more work too; say when they share cores):
 
-Cases (each timed as the slowest rank, medians over alternated repetitions):
-  model-like: ~120 float32 gradients totalling 64 MiB, reduced in place
-              (as DistributedOptimizer does), against one in-place
-              Allreduce of a preallocated 64 MiB buffer;
-  small:      200 tensors of 16 KiB against one Allreduce of 3.2 MB.
-Then the CPU share of an idle engine over 10 s.
+    mpitrainrun -np 2 python benchmarks/allreduce.py [--out docs/benchmarks]
+
+Every figure is the time of the slowest rank, the median of repetitions in
+which the variants take turns, so all variants see the same machine state.
+Sections:
+  targets  ~120 float32 tensors totalling 64 MiB (sizes like a model's
+           weights and biases), reduced in place as DistributedOptimizer
+           does, against one in-place Allreduce of a preallocated 64 MiB
+           buffer; and 200 tensors of 16 KiB against one Allreduce of 3.2 MB;
+  sweep    bus bandwidth against message size for one tensor (mpitrain, raw
+           mpi4py, gloo) and for the same bytes split like a model (mpitrain);
+  idle     the CPU share of an idle rank over 10 s.
+With --out, also writes allreduce.md (tables) and allreduce.png (plot).
 """
 
 import argparse
+import os
 import resource
+import socket
 import statistics
 import time
 
@@ -20,35 +29,37 @@ from mpi4py import MPI
 
 import mpitrain as mt
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
+SWEEP = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
-def model_like_sizes(total_bytes, count=120):
-    """Weights of geometrically growing size and small biases, like a model."""
-    weights = np.geomspace(16 * 1024, 4 * MiB, count // 2)
+def model_like(total_bytes, count=120):
+    """float32 arrays: weights of geometrically growing size and small biases."""
+    count = max(2, min(count, total_bytes // 8192 * 2))
+    weights = np.geomspace(1, 256, count // 2)
     weights *= (total_bytes - count // 2 * 4096) / weights.sum()
     sizes = []
     for weight in weights:
-        sizes += [int(weight) // 4, 1024]
-    sizes[0] += (total_bytes - 4 * sum(sizes)) // 4
-    return sizes
+        sizes += [max(1, int(weight) // 4), 1024]
+    sizes[0] += max(0, (total_bytes - 4 * sum(sizes)) // 4)
+    return [np.ones(n, np.float32) for n in sizes]
 
 
-def timed(fn, world):
+def slowest(world, fn):
     world.Barrier()
     start = time.perf_counter()
     fn()
     return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
-def alternate(variants, world, repetitions):
-    """Run each variant once per repetition, in turn; return medians in seconds."""
-    times = {name: [] for name in variants}
-    for name, fn in variants.items():            # warm-up: caches, buffers, pages
+def alternate(world, variants, repetitions):
+    """Medians (seconds) of variants run in turn, after one warm-up each."""
+    for fn in variants.values():
         fn()
+    times = {name: [] for name in variants}
     for _ in range(repetitions):
         for name, fn in variants.items():
-            times[name].append(timed(fn, world))
+            times[name].append(slowest(world, fn))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -61,11 +72,35 @@ def mpitrain_in_place(arrays, prefix):
     return run
 
 
-def raw_allreduce(buffer, world):
+def raw(world, buffer):
     return lambda: world.Allreduce(MPI.IN_PLACE, buffer)
 
 
-def idle_cpu_share(seconds):
+def start_gloo(world):
+    """torch.distributed with gloo on the same ranks, or None without torch."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    port = None
+    if world.rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = world.bcast(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=world.rank, world_size=world.size)
+    return lambda tensor: (lambda: dist.all_reduce(tensor))
+
+
+def bus_bandwidth(nbytes, seconds, size):
+    return 2 * (size - 1) / size * nbytes / seconds / 1e9
+
+
+def idle_share(seconds):
     usage = resource.getrusage(resource.RUSAGE_SELF)
     before, start = usage.ru_utime + usage.ru_stime, time.monotonic()
     time.sleep(seconds)
@@ -73,40 +108,113 @@ def idle_cpu_share(seconds):
     return (usage.ru_utime + usage.ru_stime - before) / (time.monotonic() - start)
 
 
+def targets(world, repetitions):
+    model = model_like(64 * MiB)
+    small = [np.ones(4096, np.float32) for _ in range(200)]
+    rows = []
+    for label, arrays, baseline in (
+            (f"{len(model)} tensors, 64 MiB in all", model, "1 x 64 MiB"),
+            ("200 tensors x 16 KiB", small, "1 x 3.2 MB")):
+        total = sum(a.size for a in arrays)
+        result = alternate(world, {
+            "raw": raw(world, np.ones(total, np.float32)),
+            "mpitrain": mpitrain_in_place(arrays, label.split()[0])}, repetitions)
+        rows.append((label, baseline, result["mpitrain"], result["raw"]))
+    return rows
+
+
+def sweep(world, repetitions, gloo_for):
+    rows = []
+    for nbytes in SWEEP:
+        count = nbytes // 4
+        variants = {"raw mpi4py": raw(world, np.ones(count, np.float32)),
+                    "mpitrain, 1 tensor": mpitrain_in_place(
+                        [np.ones(count, np.float32)], f"one.{nbytes}"),
+                    "mpitrain, model-like": mpitrain_in_place(
+                        model_like(nbytes), f"set.{nbytes}")}
+        if gloo_for is not None:
+            import torch
+            variants["gloo"] = gloo_for(torch.ones(count))
+        reps = repetitions if nbytes <= 16 * MiB else max(3, repetitions // 3)
+        rows.append((nbytes, alternate(world, variants, reps)))
+    return rows
+
+
+def report(world, target_rows, sweep_rows, idle, out):
+    size = world.size
+    lines = [f"Ranks: {size} ({os.cpu_count()} cores"
+             + (", oversubscribed" if size > (os.cpu_count() or 1) else "") + "); "
+             "medians of the slowest rank over alternated repetitions.", "",
+             "| case | mpitrain | raw mpi4py | ratio |", "|---|---|---|---|"]
+    for label, baseline, ours, theirs in target_rows:
+        lines.append(f"| {label} | {ours * 1e3:.2f} ms | {theirs * 1e3:.2f} ms "
+                     f"({baseline}) | {ours / theirs:.2f}x |")
+    variants = list(sweep_rows[0][1])
+    lines += ["", "Bus bandwidth, GB/s (time in ms):", "",
+              "| size | " + " | ".join(variants) + " |",
+              "|---" * (len(variants) + 1) + "|"]
+    for nbytes, result in sweep_rows:
+        cells = [f"{bus_bandwidth(nbytes, t, size):.2f} ({t * 1e3:.2f})"
+                 for t in result.values()]
+        label = f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"Idle engine: {idle:.2%} of a core (busiest rank, 10 s)."]
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "allreduce.md"), "w") as stream:
+            stream.write("# Allreduce benchmark\n\nProduced by `mpitrainrun -np "
+                         f"{size} python benchmarks/allreduce.py --out {out}`.\n\n"
+                         + text + "\n")
+        plot(sweep_rows, size, os.path.join(out, "allreduce.png"))
+
+
+def plot(sweep_rows, size, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = [nbytes for nbytes, _ in sweep_rows]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for variant in sweep_rows[0][1]:
+        axes.plot(sizes, [bus_bandwidth(n, r[variant], size) for n, r in sweep_rows],
+                  marker="o", label=variant)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sizes, [f"{n // MiB}M" if n >= MiB else f"{n // KiB}K" for n in sizes])
+    axes.set_xlabel("bytes per allreduce")
+    axes.set_ylabel("bus bandwidth, GB/s")
+    axes.set_title(f"allreduce on {size} ranks")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repetitions", type=int, default=21)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--no-sweep", action="store_true", help="only the targets")
+    parser.add_argument("--out", help="directory for allreduce.md and allreduce.png")
     args = parser.parse_args()
     mt.init()
     world = MPI.COMM_WORLD.Dup()
-    rows = []
-
-    sizes = model_like_sizes(64 * MiB)
-    model = [np.ones(n, np.float32) for n in sizes]
-    result = alternate({"raw": raw_allreduce(np.ones(16 * MiB, np.float32), world),
-                        "mpitrain": mpitrain_in_place(model, "model")},
-                       world, args.repetitions)
-    rows.append((f"{len(sizes)} tensors, 64 MiB in all", "1 x 64 MiB", result))
-
-    small = [np.ones(4096, np.float32) for _ in range(200)]
-    result = alternate({"raw": raw_allreduce(np.ones(200 * 4096, np.float32), world),
-                        "mpitrain": mpitrain_in_place(small, "small")},
-                       world, args.repetitions)
-    rows.append(("200 tensors x 16 KiB", "1 x 3.2 MB", result))
-
-    idle = idle_cpu_share(args.idle_seconds)
-    idle_max = world.allreduce(idle, op=MPI.MAX)
+    gloo_for = None if args.no_sweep else start_gloo(world)
+    target_rows = targets(world, args.repetitions)
+    sweep_rows = [] if args.no_sweep else sweep(world, args.repetitions, gloo_for)
+    idle = world.allreduce(idle_share(args.idle_seconds), op=MPI.MAX)
     if world.rank == 0:
-        print(f"mpitrain allreduce benchmark: {world.size} ranks, "
-              f"{args.repetitions} alternated repetitions, medians of the slowest rank")
-        print(f"{'case':<30} {'mpitrain':>10} {'raw mpi4py':>22} {'ratio':>7}")
-        for case, baseline, result in rows:
-            ratio = result["mpitrain"] / result["raw"]
-            print(f"{case:<30} {result['mpitrain'] * 1e3:8.2f} ms "
-                  f"{result['raw'] * 1e3:8.2f} ms ({baseline}) {ratio:6.2f}x")
-        print(f"idle engine: {idle_max:.2%} of a core (busiest rank, "
-              f"{args.idle_seconds:.0f} s)")
+        if sweep_rows:
+            report(world, target_rows, sweep_rows, idle, args.out)
+        else:
+            report_targets_only(target_rows, idle)
+
+
+def report_targets_only(target_rows, idle):
+    for label, baseline, ours, theirs in target_rows:
+        print(f"{label:<28} mpitrain {ours * 1e3:8.2f} ms   raw {theirs * 1e3:8.2f} ms "
+              f"({baseline})   {ours / theirs:5.2f}x")
+    print(f"idle engine: {idle:.2%} of a core")
 
 
 if __name__ == "__main__":
