@@ -247,6 +247,13 @@ def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
     assert ga.dtype == gb.dtype == tf.float32
     np.testing.assert_allclose(ga.numpy(), np.full((2, 3), n * (n + 1) / 2))
     np.testing.assert_allclose(gb.numpy(), np.full(6, n * (n + 1.0)))
+    with tf.GradientTape() as tape:
+        loss = float(r + 1) * (tf.reduce_sum(a) + 2.0 * tf.reduce_sum(b))
+    distributed = hvd.DistributedGradientTape(tape)
+    distributed.register_local_source(b)
+    ga, gb = distributed.gradient(loss, [a, b])
+    np.testing.assert_allclose(ga.numpy(), np.full((2, 3), (n + 1) / 2))
+    np.testing.assert_allclose(gb.numpy(), np.full(6, 2.0 * (r + 1) / n))  # local, scaled
     # Same sizes, other order on rank 1: the packed buffers would line up
     # unrelated gradients; every rank must refuse, naming every rank's shapes.
     sources = [a, b] if r != 1 else [b, a]

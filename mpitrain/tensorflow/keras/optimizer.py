@@ -46,7 +46,7 @@ def distributed_class(base):
     if _is_keras3(base):
         def apply(self, grads, trainable_variables=None):
             if trainable_variables is None:     # Keras requires a built optimizer then
-                variables = self._trainable_variables
+                variables = self._trainable_variables if self.built else None
             else:
                 variables = list(trainable_variables)
                 if not self.built:
@@ -87,7 +87,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Wrap the outermost optimizer, e.g. the LossScaleOptimizer, not its inner
     one. backward_passes_per_step > 1 sums that many steps' gradients locally
     (divided by their number with average_aggregated_gradients) and
-    communicates and applies once.
+    communicates and applies once. ``name`` renames the optimizer (None
+    keeps its name); device_dense, device_sparse and scale_local_gradients
+    are accepted for Horovod compatibility and have no effect.
     """
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer supports op=Average and op=Sum, "
