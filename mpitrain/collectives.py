@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from mpitrain import dtypes
+from mpitrain import arrays, dtypes
 from mpitrain.channel import as_bytes
 from mpitrain.ops import OpType, ReduceOp
 
@@ -94,7 +94,7 @@ class Executor:
                 continue
             output = member.output
             if output is None:
-                output = np.empty(response.shape, dtype=member.dtype.numpy)
+                output = arrays.empty(response.shape, member.dtype.numpy)
             scale_into(view, factor, output)
             self.finish(member, output)
         if timeline is not None:
@@ -106,9 +106,13 @@ class Executor:
         if output is not None and not output.flags.c_contiguous:
             output = None
         if output is None:
-            output = np.empty(response.shape, dtype=entry.dtype.numpy)
-        if output is not entry.input or response.prescale != 1.0:
-            scale_into(entry.input, response.prescale, output)
+            output = arrays.empty(response.shape, entry.dtype.numpy)
+        prescale = response.prescale
+        if output is not entry.input and _scales_early(response, entry.dtype):
+            # Scale in the copy that happens anyway, not in a pass of its own.
+            prescale, factor = prescale * factor, 1.0
+        if output is not entry.input or prescale != 1.0:
+            scale_into(entry.input, prescale, output)
         yield from self.channel.allreduce(output.reshape(-1), response.op)
         if factor != 1.0:
             scale_into(output, factor, output)
@@ -119,8 +123,8 @@ class Executor:
 
     def _allgather(self, response, entry):
         row = math.prod(response.shape) * entry.dtype.numpy.itemsize
-        output = np.empty((sum(response.first_dims),) + response.shape,
-                          dtype=entry.dtype.numpy)
+        output = arrays.empty((sum(response.first_dims),) + response.shape,
+                              entry.dtype.numpy)
         send = np.ascontiguousarray(entry.input)
         yield from self.channel.allgatherv(
             as_bytes(send), as_bytes(output), [d * row for d in response.first_dims])
@@ -130,8 +134,9 @@ class Executor:
         root = response.root == self.channel.rank
         target = entry.output
         if target is None:
-            target = entry.input.copy() if root else np.empty(
-                response.shape, dtype=entry.dtype.numpy)
+            target = arrays.empty(response.shape, entry.dtype.numpy)
+            if root:
+                np.copyto(target, entry.input)
         elif root and target is not entry.input:
             np.copyto(target, entry.input)
         staging = target if target.flags.c_contiguous else np.ascontiguousarray(target)
@@ -146,7 +151,7 @@ class Executor:
         yield from self.channel.alltoall(send_rows, receive_rows)
         trailing = entry.input.shape[1:]
         row = math.prod(trailing) * entry.dtype.numpy.itemsize
-        output = np.empty((int(receive_rows.sum()),) + trailing, dtype=entry.dtype.numpy)
+        output = arrays.empty((int(receive_rows.sum()),) + trailing, entry.dtype.numpy)
         send = np.ascontiguousarray(entry.input)
         yield from self.channel.alltoallv(
             as_bytes(send), (send_rows * row).tolist(),
@@ -164,10 +169,17 @@ class Executor:
         received = np.empty(counts[self.channel.rank], dtype=wire)
         yield from self.channel.reduce_scatter(send.reshape(-1), received, counts,
                                                response.op)
-        output = np.empty((rows[self.channel.rank],) + response.shape[1:],
-                          dtype=dtype.numpy)
+        output = arrays.empty((rows[self.channel.rank],) + response.shape[1:],
+                              dtype.numpy)
         scale_into(received.reshape(output.shape), self._scale_after(response), output)
         self.finish(entry, output)
+
+
+def _scales_early(response, dtype):
+    """May the factor applied after a sum move before it? Floats only: integer
+    averages truncate the sum, and Min/Max/Product do not commute with it."""
+    return (response.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+            and dtype.numpy.kind == "f" and dtype.numpy == dtype.reduce_as)
 
 
 def scale_into(source, factor, out):

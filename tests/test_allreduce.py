@@ -182,3 +182,11 @@ def test_results_are_bitwise_identical_on_every_rank():
     results = mt.grouped_allreduce(arrays, name="bitwise")
     digests = MPI.COMM_WORLD.allgather([r.tobytes() for r in results])
     assert all(d == digests[0] for d in digests)
+
+
+@mpi_test(np=(2,))
+def test_results_start_on_a_64_byte_boundary_so_frameworks_adopt_them():
+    x = np.ones(10 * 1024 * 1024 + 3, np.float32)
+    for result in (mt.allreduce(x), mt.allreduce(x[:100]), mt.allgather(x[:1000]),
+                   mt.broadcast(x[:77], root_rank=0)):
+        assert result.ctypes.data % 64 == 0 and result.flags.c_contiguous
