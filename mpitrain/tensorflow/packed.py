@@ -18,9 +18,10 @@ import zlib
 import numpy as np
 
 import mpitrain as mt
+from mpitrain import arrays
+from mpitrain.arrays import ALIGNMENT
 from mpitrain.errors import MismatchError
 from mpitrain.ops import Average, Sum
-from mpitrain.tensorflow.tensors import ALIGNMENT
 
 PACKABLE = (np.dtype(np.float32), np.dtype(np.float64))
 _KEPT_PER_LAYOUT = 4        # buffers still held by TensorFlow when the next step starts
@@ -43,9 +44,7 @@ class _Packing:
         self.fingerprint = np.array([fingerprint, -fingerprint], dtype=np.int64)
 
     def new_buffer(self):
-        raw = np.empty(self.nbytes + ALIGNMENT, dtype=np.uint8)
-        start = -raw.ctypes.data % ALIGNMENT
-        return raw[start:start + self.nbytes]
+        return arrays.empty((self.nbytes,), np.uint8)
 
     def views(self, buffer):
         return [buffer[offset:offset + int(np.prod(shape, dtype=np.int64))

@@ -8,21 +8,15 @@ import tensorflow as tf
 
 import mpitrain as mt
 from mpitrain.tensorflow import graph_op
-from mpitrain.tensorflow.tensors import aligned_empty
 
 
 def allreduce_arrays(arrays, name, op, prescale_factor, postscale_factor, process_set):
-    """Reduce numpy arrays together; results land in buffers TensorFlow adopts as they are."""
-    outputs = [aligned_empty(a.shape, a.dtype) for a in arrays]
+    """Reduce numpy arrays together; the core's results are aligned for TensorFlow."""
     if len(arrays) == 1:     # the name stays the caller's, as errors show it
-        handle = mt.allreduce_async(arrays[0], name=name, op=op,
-                                    prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor,
-                                    process_set=process_set, output=outputs[0])
-        return [mt.synchronize(handle)]
-    return mt.synchronize(mt.grouped_allreduce_async(
-        arrays, name=name, op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, process_set=process_set, outputs=outputs))
+        return [mt.allreduce(arrays[0], name=name, op=op, prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor, process_set=process_set)]
+    return mt.grouped_allreduce(arrays, name=name, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set)
 
 
 def reduce_dense(tensors, op, prescale_factor, postscale_factor, name, process_set):

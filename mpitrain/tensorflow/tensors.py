@@ -4,25 +4,14 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-# TensorFlow's allocator aligns CPU buffers to 64 bytes and some kernels rely on it,
-# so only buffers aligned as well are handed to TensorFlow without a copy.
-ALIGNMENT = 64
+from mpitrain.arrays import ALIGNMENT
+
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def to_numpy(tensor):
     """A read-only numpy view of an eager CPU tensor (a copy for other devices)."""
     return np.asarray(tensor)
-
-
-def aligned_empty(shape, dtype):
-    """An uninitialized array whose data TensorFlow can adopt without a copy."""
-    dtype = np.dtype(dtype)
-    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype)[:int(np.prod(shape, dtype=np.int64))] \
-        .reshape(shape)
 
 
 def to_tensor(array):
