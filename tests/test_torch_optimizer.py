@@ -219,14 +219,16 @@ def test_zero_grad_with_gradients_in_flight_is_an_error():
     with pytest.raises(AssertionError, match="zero_grad"):
         optimizer.zero_grad()
     optimizer.step()
+    assert_identical_across_ranks(model)
     optimizer.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     F.mse_loss(model(x), y).backward()
     F.mse_loss(model(x), y).backward()
+    # As in Horovod, the error comes after autograd added this pass into p.grad.
     with pytest.raises(AssertionError, match="more than backward_passes_per_step=2"):
         F.mse_loss(model(x), y).backward()
-    optimizer.step()
-    assert_identical_across_ranks(model)
+    optimizer.step()                                # what was in flight completes
+    optimizer.zero_grad()
 
 
 @mpi_test()
