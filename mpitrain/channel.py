@@ -44,8 +44,12 @@ class Channel:
         """The control round: always non-blocking, so an idle rank can sleep."""
         yield self.comm.Iallreduce(MPI.IN_PLACE, vector, MPI.BAND)
 
-    def allreduce(self, buffer, op):
-        """Reduce a 1-D buffer in place, in chunks of about chunk_size bytes."""
+    def allreduce(self, buffer, op, each=None):
+        """Reduce a 1-D buffer in place, in chunks of about chunk_size bytes.
+
+        each(chunk), if given, runs on every reduced chunk: on the blocking
+        channel right after its MPI call, while the chunk is still in cache.
+        """
         mpi_op = MPI_OPS[op]
         mpi_type = _MPI_TYPES[buffer.dtype]
         step = max(1, self.chunk_size // buffer.itemsize)
@@ -53,9 +57,14 @@ class Channel:
         if self.blocking:
             for chunk in chunks:
                 self.comm.Allreduce(MPI.IN_PLACE, [chunk, mpi_type], mpi_op)
+                if each is not None:
+                    each(chunk)
             return
         yield [self.comm.Iallreduce(MPI.IN_PLACE, [chunk, mpi_type], mpi_op)
                for chunk in chunks]
+        if each is not None:
+            for chunk in chunks:
+                each(chunk)
 
     def allgatherv(self, send, receive, counts):
         """Gather byte views; counts are bytes per rank."""

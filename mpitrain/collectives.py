@@ -113,9 +113,8 @@ class Executor:
             prescale, factor = prescale * factor, 1.0
         if output is not entry.input or prescale != 1.0:
             scale_into(entry.input, prescale, output)
-        yield from self.channel.allreduce(output.reshape(-1), response.op)
-        if factor != 1.0:
-            scale_into(output, factor, output)
+        scale = None if factor == 1.0 else (lambda chunk: scale_into(chunk, factor, chunk))
+        yield from self.channel.allreduce(output.reshape(-1), response.op, scale)
         if entry.output is not None and output is not entry.output:
             np.copyto(entry.output, output)
             output = entry.output
