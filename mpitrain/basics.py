@@ -37,9 +37,10 @@ def init(comm=None, process_sets=None):
             _release(_state)
             _state = None
         config = _config.from_environ()
-        from mpitrain import topology
+        from mpitrain import faults, topology
         from mpitrain.engine import Engine, create_communicator
         topo = topology.build(comm)
+        faults.abort_on_unhandled_exceptions(config.abort_on_exception)
         static = _static_sets(process_sets, topo)
         engine = Engine(topo, config)
         global_process_set.ranks = list(range(topo.size))

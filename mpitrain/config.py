@@ -20,6 +20,7 @@ class Config:
     timeline_mark_cycles: bool = False
     autotune: bool = False                 # tune fusion, chunk and cycle on the live job
     autotune_log: str = ""                 # CSV file of what autotune tried (rank 0)
+    abort_on_exception: bool = True        # an unhandled exception aborts the whole job
     explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
 
 
@@ -78,6 +79,7 @@ _VARIABLES = {
     "timeline_mark_cycles": ("TIMELINE_MARK_CYCLES", _flag, "0 or 1"),
     "autotune": ("AUTOTUNE", _flag, "0 or 1"),
     "autotune_log": ("AUTOTUNE_LOG", str, "a file path"),
+    "abort_on_exception": ("ABORT_ON_EXCEPTION", _flag, "0 or 1"),
 }
 
 

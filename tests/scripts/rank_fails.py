@@ -1,0 +1,60 @@
+"""A training loop in which the last rank fails at step 5; tests/test_faults.py.
+
+    rank_fails.py HOW WHILE RUN_DIR
+
+HOW: raise (an unhandled exception), thread (one in a data-loading thread,
+while the main thread waits for its batch), sigkill, freeze (SIGSTOP),
+stall (stops submitting: sleeps for an hour).
+WHILE: what the other ranks do meanwhile: allreduce (wait for the failed
+rank's tensor) or compute (an hour of work that calls no MPI).
+Every rank writes its pid to RUN_DIR/pid.<rank>; the failing rank writes the
+wall-clock time of its failure to RUN_DIR/failed_at.
+"""
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import mpitrain as mt
+
+how, meanwhile, run_dir = sys.argv[1:4]
+mt.init()
+rank, size = mt.rank(), mt.size()
+with open(os.path.join(run_dir, f"pid.{rank}"), "w") as stream:
+    stream.write(str(os.getpid()))
+
+
+def fail():
+    with open(os.path.join(run_dir, "failed_at"), "w") as stream:
+        stream.write(repr(time.time()))
+    if how == "raise":
+        raise RuntimeError("the batch of step 5 is corrupt (raised on purpose)")
+    if how == "thread":
+        batches = queue.Queue()
+
+        def load_batch():
+            raise OSError("the data file vanished (raised on purpose)")
+
+        threading.Thread(target=load_batch, name="loader").start()
+        batches.get()                    # waits for a batch that never comes
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if how == "stall":
+        time.sleep(3600)
+
+
+weights = np.zeros(1000, np.float32)
+for step in range(10):
+    if step == 5 and rank == size - 1:
+        fail()
+    if step == 5 and rank != size - 1 and meanwhile == "compute":
+        time.sleep(3600)
+    weights -= 0.1 * mt.allreduce(np.full(1000, rank, np.float32), name="gradient")
+print(f"rank {rank} finished", flush=True)

@@ -1,0 +1,132 @@
+"""A rank that fails in any way ends the whole job, quickly and with a reason.
+
+Each test runs tests/scripts/rank_fails.py under mpirun: the last rank fails
+at step 5 while the others wait for it in an allreduce or compute without
+MPI. The job must end on its own (the harness kills it after 60 s), with a
+non-zero exit code, an explanation naming the rank, and no process left.
+Run with -s to see the measured time from the failure to the job's end.
+"""
+
+import os
+import tempfile
+import time
+
+import pytest
+
+from mpitrain import config
+from tests.mpi_harness import run_mpi
+
+DEADLINE = 30.0                    # seconds from the failure to the job's end
+FAST_STALL = {"MPITRAIN_STALL_CHECK_TIME_SECONDS": "1",
+              "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+
+
+def run_failing_job(nprocs, how, meanwhile, env=()):
+    """Run the job; returns (job, seconds from the failure to the job's end)."""
+    with tempfile.TemporaryDirectory(prefix="mpitrain-faults-") as run_dir:
+        job = run_mpi(nprocs, ["tests/scripts/rank_fails.py", how, meanwhile, run_dir],
+                      env=dict(env), timeout=60)
+        ended = time.time()
+        assert job.returncode is not None, f"the job hung:\n{job.stderr[-3000:]}"
+        with open(os.path.join(run_dir, "failed_at")) as stream:
+            elapsed = ended - float(stream.read())
+        pids = [int(open(os.path.join(run_dir, f"pid.{rank}")).read())
+                for rank in range(nprocs)]
+        assert_nothing_left(run_dir, pids)
+    print(f"\n{how} on rank {nprocs - 1} of {nprocs} while the others {meanwhile}: "
+          f"the job exited with {job.returncode} {elapsed:.2f} s after the failure")
+    return job, elapsed
+
+
+def assert_nothing_left(run_dir, pids):
+    """No rank and no launcher process of the job may outlive it."""
+    deadline = time.monotonic() + 5
+    while True:
+        left = _processes_mentioning(run_dir) + [pid for pid in pids if _alive(pid)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes outlived the job: {sorted(set(left))}"
+
+
+def _processes_mentioning(token):
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as stream:
+                if token.encode() in stream.read():
+                    found.append(int(entry))
+        except OSError:                    # it ended while we looked
+            pass
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            return stream.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["np2", "np3"])
+@pytest.mark.parametrize("meanwhile", ["allreduce", "compute"])
+def test_an_unhandled_exception_aborts_every_rank(nprocs, meanwhile):
+    job, elapsed = run_failing_job(nprocs, "raise", meanwhile)
+    assert job.returncode != 0
+    assert f"rank {nprocs - 1} of {nprocs}" in job.stderr
+    assert "RuntimeError: the batch of step 5 is corrupt" in job.stderr
+    assert "MPITRAIN_ABORT_ON_EXCEPTION=0 turns this off" in job.stderr
+    assert elapsed < DEADLINE
+
+
+def test_an_exception_in_a_thread_aborts_every_rank():
+    job, elapsed = run_failing_job(3, "thread", "allreduce")
+    assert job.returncode != 0
+    assert "rank 2 of 3" in job.stderr and "in thread 'loader'" in job.stderr
+    assert "OSError: the data file vanished" in job.stderr
+    assert elapsed < DEADLINE
+
+
+def test_without_the_hook_waiting_peers_still_learn_who_left():
+    job, elapsed = run_failing_job(3, "raise", "allreduce",
+                                   {"MPITRAIN_ABORT_ON_EXCEPTION": "0"})
+    assert job.returncode != 0
+    assert "aborting the MPI job" not in job.stderr
+    assert "RuntimeError: the batch of step 5 is corrupt" in job.stderr
+    assert "ShutdownError" in job.stderr and "rank 2: its process exited" in job.stderr
+    assert elapsed < DEADLINE
+
+
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["np2", "np3"])
+@pytest.mark.parametrize("meanwhile", ["allreduce", "compute"])
+def test_a_killed_rank_ends_the_job(nprocs, meanwhile):
+    job, elapsed = run_failing_job(nprocs, "sigkill", meanwhile)
+    assert job.returncode != 0
+    assert "signal 9" in job.stderr + job.stdout
+    assert elapsed < DEADLINE
+
+
+def test_a_rank_that_stops_submitting_ends_the_job_with_the_stall_report():
+    job, elapsed = run_failing_job(3, "stall", "allreduce", FAST_STALL)
+    assert job.returncode != 0
+    report = job.stderr
+    assert "stall" in report and "'gradient'" in report and "rank 2" in report
+    assert "ShutdownError" in report
+    assert 3 <= elapsed < DEADLINE
+
+
+def test_a_frozen_rank_ends_the_job_after_the_shutdown_time():
+    job, elapsed = run_failing_job(3, "freeze", "allreduce", FAST_STALL)
+    assert job.returncode != 0
+    assert "stopped answering" in job.stderr or "stall" in job.stderr
+    assert 3 <= elapsed < DEADLINE
+
+
+def test_the_default_settings_never_wait_forever():
+    defaults = config.from_environ({})
+    assert not defaults.stall_check_disable
+    assert 0 < defaults.stall_check_time < defaults.stall_shutdown_time < 3600
+    assert defaults.abort_on_exception
