@@ -5,6 +5,7 @@ import dataclasses
 import threading
 
 from mpitrain import config as _config
+from mpitrain import logs
 from mpitrain.errors import ShutdownError, not_initialized_error
 from mpitrain.ops import OpType
 from mpitrain.process_sets import ProcessSet, global_process_set
@@ -40,6 +41,7 @@ def init(comm=None, process_sets=None):
         from mpitrain import faults, topology
         from mpitrain.engine import Engine, create_communicator
         topo = topology.build(comm)
+        logs.configure(topo.rank, config.log_level)
         faults.abort_on_unhandled_exceptions(config.abort_on_exception)
         static = _static_sets(process_sets, topo)
         engine = Engine(topo, config)

@@ -3,6 +3,8 @@
 import dataclasses
 import os
 
+from mpitrain import logs
+
 MiB = 1024 * 1024
 
 
@@ -20,7 +22,10 @@ class Config:
     timeline_mark_cycles: bool = False
     autotune: bool = False                 # tune fusion, chunk and cycle on the live job
     autotune_log: str = ""                 # CSV file of what autotune tried (rank 0)
+    log_level: str = ""                    # "": warnings on rank 0, errors elsewhere
     abort_on_exception: bool = True        # an unhandled exception aborts the whole job
+    cuda_aware: str = "auto"               # does MPI take device buffers: auto, 1, 0
+    gpu_operations: str = "mpi"            # device allreduces over mpi or nccl
     explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
 
 
@@ -52,6 +57,15 @@ def _nonnegative_float(text):
     return value
 
 
+def _choice(*choices):
+    def parse(text):
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError
+        return value
+    return parse
+
+
 def _flag(text):
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -79,7 +93,11 @@ _VARIABLES = {
     "timeline_mark_cycles": ("TIMELINE_MARK_CYCLES", _flag, "0 or 1"),
     "autotune": ("AUTOTUNE", _flag, "0 or 1"),
     "autotune_log": ("AUTOTUNE_LOG", str, "a file path"),
+    "log_level": ("LOG_LEVEL", logs.level_name,
+                  "one of trace, debug, info, warning, error, fatal"),
     "abort_on_exception": ("ABORT_ON_EXCEPTION", _flag, "0 or 1"),
+    "cuda_aware": ("CUDA_AWARE", _choice("auto", "1", "0"), "auto, 1 or 0"),
+    "gpu_operations": ("GPU_OPERATIONS", _choice("mpi", "nccl"), "mpi or nccl"),
 }
 
 
