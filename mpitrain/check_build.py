@@ -43,8 +43,9 @@ def _mpi_library():
     mpi4py.rc.finalize = False
     from mpi4py import MPI
     major, minor = MPI.Get_version()
-    # Open MPI ends the string with a NUL.
-    library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0].strip(", ")
+    # Open MPI ends the string with a NUL; MPICH pads it with spaces.
+    first_line = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
+    library = " ".join(first_line.split()).strip(", ")
     return mpi4py.__version__, f"{library} (MPI {major}.{minor})"
 
 
