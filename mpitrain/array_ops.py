@@ -8,7 +8,7 @@ input; an input must not be modified while its operation is in flight.
 
 import numpy as np
 
-from mpitrain import basics, dtypes
+from mpitrain import arrays, basics, dtypes
 from mpitrain.entries import Handle
 from mpitrain.errors import ERROR_CLASSES
 from mpitrain.handles import GroupHandle, synchronize
@@ -43,11 +43,16 @@ def _as_array(value):
 def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
              root=-1, output=None, splits=None):
     """Build this rank's entry; a local argument error becomes a _Problem."""
-    if type(array) is not np.ndarray:
-        array = np.asarray(array)
+    if type(array) is np.ndarray:
+        backend = arrays.HOST
+    else:
+        array = arrays.as_array(array)
+        backend = arrays.of(array)
     dtype = dtypes.lookup(array.dtype)
     handle = Handle(name, kind, controller.rank, dtype, array.shape, op, prescale,
-                    postscale, root, array, output)
+                    postscale, root, array, output, backend.device)
+    if handle.device >= 0:
+        handle.ready = backend.record_ready()
     try:
         _check(controller, handle)
         if kind == OpType.ALLTOALL:
@@ -83,10 +88,12 @@ def _check(controller, handle):
     if output is None:
         return
     if output is not array and (output.shape != array.shape
-                                or output.dtype != array.dtype):
+                                or output.dtype != array.dtype
+                                or arrays.of(output) is not arrays.of(array)):
         raise _Problem("value", f"output of shape {output.shape} and dtype "
                                 f"{output.dtype} cannot hold the result for input "
-                                f"of shape {array.shape} and dtype {array.dtype}")
+                                f"of shape {array.shape} and dtype {array.dtype} "
+                                "(or it lives on another device)")
     if not output.flags.writeable and not (kind == OpType.BROADCAST
                                            and handle.root == controller.rank):
         raise _Problem("value", "the output array is read-only")

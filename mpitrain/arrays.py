@@ -1,5 +1,11 @@
-"""Allocating result arrays."""
+"""Array backends: numpy in host memory, CuPy on a CUDA device.
 
+The engine packs, scales and unpacks through a backend, so the CPU and GPU
+paths share every decision and differ only here. CuPy is imported lazily and
+only by this module: mpitrain imports and runs without it.
+"""
+
+import functools
 import math
 
 import numpy as np
@@ -18,3 +24,109 @@ def empty(shape, dtype):
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def scale_into(source, factor, out):
+    """out = source * factor, computed in the wider float type, cast to out."""
+    if factor == 1.0:
+        np.copyto(out, source, casting="unsafe")
+    elif out.dtype.kind == "f" and out.dtype.itemsize > source.dtype.itemsize:
+        np.multiply(source, factor, out=out, dtype=out.dtype, casting="unsafe")
+    else:
+        np.multiply(source, factor, out=out, casting="unsafe")
+
+
+class Host:
+    """numpy arrays in this process's memory."""
+
+    device = -1
+
+    @staticmethod
+    def empty(shape, dtype):
+        return empty(shape, dtype)
+
+    @staticmethod
+    def zeros(count, dtype):
+        return np.zeros(count, dtype)
+
+    scale_into = staticmethod(scale_into)
+
+    @staticmethod
+    def pack(sources, out, factor):
+        """Copy sources one after another into the 1-D ``out``, times factor."""
+        np.concatenate([s if s.ndim == 1 else s.reshape(-1) for s in sources],
+                       out=out, casting="unsafe")
+        if factor != 1.0:
+            scale_into(out, factor, out)
+
+    @staticmethod
+    def unpack(buffer, offsets, views, outputs, factor):
+        """Copy each view of the reduced buffer into its output, times factor."""
+        for view, output in zip(views, outputs):
+            scale_into(view, factor, output)
+
+    @staticmethod
+    def record_ready():
+        """Host inputs are ready when submitted: nothing to wait for."""
+
+    @staticmethod
+    def wait_for_inputs(handles):
+        """Host inputs are ready when submitted."""
+
+    @staticmethod
+    def settle():
+        """Host work is finished when the call returns."""
+
+
+HOST = Host()
+
+
+@functools.lru_cache(None)
+def cupy():
+    """The cupy module, or None where it is missing or finds no CUDA device."""
+    try:
+        import cupy as module
+        if module.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:        # not installed, no driver, no device: all mean "no GPU"
+        return None
+    return module
+
+
+def of(array):
+    """The backend that holds ``array``: HOST, a Device, or None if neither."""
+    if type(array) is np.ndarray:
+        return HOST
+    module = cupy() if "cupy" in type(array).__module__ else None
+    if module is not None and isinstance(array, module.ndarray):
+        return device(array.device.id)
+    return None
+
+
+def as_array(value):
+    """``value`` as an array mpitrain can move: CuPy arrays stay on the device."""
+    if type(value) is np.ndarray or of(value) is not None:
+        return value
+    return np.asarray(value)
+
+
+@functools.lru_cache(None)
+def device(ordinal):
+    from mpitrain.device_arrays import Device
+    return Device(cupy(), ordinal)
+
+
+def nccl_version():
+    """NCCL's version number where CuPy's NCCL bindings load, else 0."""
+    if cupy() is None:
+        return 0
+    try:
+        from cupy.cuda import nccl
+        return nccl.get_version()
+    except Exception:        # CuPy built without NCCL
+        return 0
+
+
+def current_device():
+    """This rank's current CUDA device, for a joined rank that submitted nothing."""
+    return device(cupy().cuda.runtime.getDevice())

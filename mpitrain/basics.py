@@ -4,6 +4,7 @@ import atexit
 import dataclasses
 import threading
 
+from mpitrain import arrays
 from mpitrain import config as _config
 from mpitrain import logs
 from mpitrain.errors import ShutdownError, not_initialized_error
@@ -192,7 +193,8 @@ def gloo_built():
 
 
 def nccl_built():
-    return 0
+    """NCCL's version number where CuPy's NCCL bindings load, else 0."""
+    return arrays.nccl_version()
 
 
 def ddl_built():
@@ -204,7 +206,8 @@ def ccl_built():
 
 
 def cuda_built():
-    return False
+    """True where CuPy finds a CUDA device: device arrays can then be reduced."""
+    return arrays.cupy() is not None
 
 
 def rocm_built():

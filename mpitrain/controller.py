@@ -17,6 +17,7 @@ from mpitrain.cache import CACHEABLE, HIT, INVALID, ResponseCache
 from mpitrain.channel import Channel
 from mpitrain.collectives import Executor
 from mpitrain.coordinator import Coordinator
+from mpitrain.device_transport import DeviceTransport
 from mpitrain.entries import CACHED, QUEUED, SENT
 from mpitrain.errors import ERROR_CLASSES, MpitrainInternalError
 from mpitrain.handles import notify_waiters
@@ -51,8 +52,9 @@ class SetController:
         self.tuner = (Autotuner(config, time.monotonic())
                       if config.autotune and blocking and self.rank == 0 else None)
         self.buffers = fusion.FusionBuffers()
-        self.executor = Executor(self.channel, self.buffers, self._finish,
-                                 engine.timeline)
+        self.executor = Executor(
+            self.channel, self.buffers, self._finish, engine.timeline,
+            DeviceTransport(engine.cuda_aware, config.gpu_operations == "nccl"))
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.incoming = []            # entries not yet seen by the engine
         self.pending = {}             # name -> Handle the engine is negotiating

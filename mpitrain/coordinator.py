@@ -89,7 +89,8 @@ def build_response(name, requests, joined):
                       "in DistributedOptimizer)")
     response = Response(first.kind, name, dtype=first.dtype, shape=first.shape,
                         op=first.op, prescale=first.prescale,
-                        postscale=first.postscale, root=first.root)
+                        postscale=first.postscale, root=first.root,
+                        device=0 if first.device >= 0 else -1)
     if first.kind == OpType.ALLGATHER:
         response.shape = first.shape[1:]
         response.first_dims = tuple(r.shape[0] for r in ordered)
@@ -116,7 +117,8 @@ def _mismatch(ordered):
     checks = [("operations", lambda r: r.kind.label)]
     if kind in (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST,
                 OpType.ALLTOALL, OpType.REDUCESCATTER):
-        checks.append(("data types", lambda r: _dtype_name(r.dtype)))
+        checks += [("data types", lambda r: _dtype_name(r.dtype)),
+                   ("devices", lambda r: "GPU" if r.device >= 0 else "CPU")]
     if kind in (OpType.ALLREDUCE, OpType.REDUCESCATTER):
         checks += [("reduction ops", lambda r: _op_name(r.op)),
                    ("prescale factors", lambda r: r.prescale),

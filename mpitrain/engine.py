@@ -13,6 +13,7 @@ import traceback
 
 from mpi4py import MPI
 
+from mpitrain import cuda_aware
 from mpitrain.controller import EngineStopped, SetController
 from mpitrain.errors import ShutdownError
 from mpitrain.handles import notify_waiters
@@ -37,6 +38,7 @@ class Engine:
     def __init__(self, topology, config):
         self.topology = topology
         self.config = config
+        self.cuda_aware = cuda_aware.resolve(config.cuda_aware)
         self.lock = threading.Condition(threading.Lock())
         self.timeline = TimelineHolder()
         self.controllers = {}          # process set id -> SetController (member sets)

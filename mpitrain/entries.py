@@ -14,27 +14,28 @@ from mpitrain.ops import OpType
 QUEUED, CACHED, SENT = range(3)   # waiting to be sorted, served by the cache, at the coordinator
 
 
-def signature(kind, dtype_code, shape, op, prescale, postscale, root):
+def signature(kind, dtype_code, shape, op, prescale, postscale, root, device=-1):
     """What must be identical for a cached response to serve a request.
 
     Alltoall may send a different number of rows each time; its other
-    dimensions must still match.
+    dimensions must still match. Of the device, only CPU or GPU matters.
     """
     if kind == OpType.ALLTOALL:
         shape = shape[1:]
-    return (kind, dtype_code, shape, op, prescale, postscale, root)
+    return (kind, dtype_code, shape, op, prescale, postscale, root, device >= 0)
 
 
 class Handle:
     """The pending result of one collective call on this rank."""
 
     __slots__ = ("name", "kind", "rank", "dtype", "shape", "op", "prescale",
-                 "postscale", "root", "input", "output", "splits", "signature",
+                 "postscale", "root", "input", "output", "device", "ready", "splits",
+                 "signature",
                  "enqueued", "state", "slot", "generation", "successor", "error",
                  "error_kind", "ghost", "_done", "_value", "_error")
 
     def __init__(self, name, kind, rank, dtype, shape, op=0, prescale=1.0,
-                 postscale=1.0, root=-1, input=None, output=None):
+                 postscale=1.0, root=-1, input=None, output=None, device=-1):
         self.name = name
         self.kind = kind
         self.rank = rank                  # within the process set
@@ -46,9 +47,11 @@ class Handle:
         self.root = root
         self.input = input
         self.output = output
+        self.device = device              # -1: host memory; else a CUDA device
+        self.ready = None                 # device inputs: an event after their producer
         self.splits = None
         self.signature = signature(kind, -1 if dtype is None else dtype.code, shape,
-                                   op, prescale, postscale, root)
+                                   op, prescale, postscale, root, device)
         self.enqueued = time.monotonic()
         self.state = QUEUED
         self.slot = None                  # the cache slot, while CACHED ...
@@ -66,7 +69,7 @@ class Handle:
         return Request(self.name, self.kind, self.rank,
                        -1 if self.dtype is None else self.dtype.code, self.shape,
                        self.op, self.prescale, self.postscale, self.root,
-                       self.error, self.error_kind, now - self.enqueued)
+                       self.error, self.error_kind, now - self.enqueued, self.device)
 
     def done(self):
         return self._done
@@ -81,7 +84,7 @@ class Handle:
         return self._value
 
     def publish(self, value, error):
-        self.input = self.output = None       # keep the caller's arrays no longer
+        self.input = self.output = self.ready = None   # keep the caller's arrays no longer
         self._value = value
         self._error = error
         self._done = True

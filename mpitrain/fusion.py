@@ -2,8 +2,6 @@
 
 import math
 
-import numpy as np
-
 from mpitrain import dtypes
 from mpitrain.ops import OpType
 
@@ -17,7 +15,8 @@ def _fusion_of(response):
     """(what must match to share a buffer, bytes in the buffer), computed once."""
     if not response.fusion:
         wire = dtypes.BY_CODE[response.dtype].reduce_as
-        response.fusion = ((wire, response.op, response.prescale, response.postscale),
+        response.fusion = ((wire, response.op, response.prescale, response.postscale,
+                            response.device),
                            math.prod(response.shape) * wire.itemsize)
     return response.fusion
 
@@ -25,13 +24,14 @@ def _fusion_of(response):
 class Group:
     """Responses executed together, with the layout of their fusion buffer."""
 
-    __slots__ = ("responses", "names", "counts", "total", "nbytes", "_views",
-                 "_views_of")
+    __slots__ = ("responses", "names", "counts", "starts", "total", "nbytes",
+                 "_views", "_views_of")
 
     def __init__(self, response, nbytes=0):
         self.responses = [response]
         self.names = [response.name]
         self.counts = [math.prod(response.shape)]
+        self.starts = [0]                 # where each response begins in the buffer
         self.total = self.counts[0]
         self.nbytes = nbytes
         self._views = None
@@ -44,11 +44,10 @@ class Group:
         fusion buffer stays the same.
         """
         if self._views_of is not buffer:
-            views, offset = [], 0
-            for response, count in zip(self.responses, self.counts):
-                views.append(buffer[offset:offset + count].reshape(response.shape))
-                offset += count
-            self._views, self._views_of = views, buffer
+            self._views = [buffer[start:start + count].reshape(response.shape)
+                           for response, start, count
+                           in zip(self.responses, self.starts, self.counts)]
+            self._views_of = buffer
         return self._views
 
     def add(self, response, nbytes):
@@ -56,6 +55,7 @@ class Group:
         self.names.append(response.name)
         count = math.prod(response.shape)
         self.counts.append(count)
+        self.starts.append(self.total)
         self.total += count
         self.nbytes += nbytes
 
@@ -90,14 +90,15 @@ def plan(responses, threshold):
 
 
 class FusionBuffers:
-    """Persistent buffers, one per dtype, that only grow."""
+    """Persistent buffers, one per device and dtype, that only grow."""
 
     def __init__(self):
         self._buffers = {}
 
-    def get(self, dtype, count):
-        """A 1-D buffer of at least ``count`` elements."""
-        buffer = self._buffers.get(dtype)
+    def get(self, dtype, count, backend):
+        """A 1-D buffer of at least ``count`` elements where ``backend`` keeps arrays."""
+        key = (backend.device, dtype)
+        buffer = self._buffers.get(key)
         if buffer is None or buffer.size < count:
-            buffer = self._buffers[dtype] = np.empty(count, dtype=dtype)
+            buffer = self._buffers[key] = backend.empty((count,), dtype)
         return buffer

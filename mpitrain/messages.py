@@ -22,6 +22,7 @@ class Request:
     error: str = ""            # a local argument error on the submitting rank
     error_kind: str = ""
     age: float = 0.0           # seconds between enqueue and sending
+    device: int = -1           # -1: host memory; else the CUDA device
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,4 +40,5 @@ class Response:
     error_kind: str = ""
     last_joined_rank: int = -1
     extra: tuple = ()          # process-set changes: the ranks involved
+    device: int = -1           # -1: host memory; 0: CUDA devices
     fusion: tuple = ()         # (fusion key, bytes), filled in once by fusion.plan

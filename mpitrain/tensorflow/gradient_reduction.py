@@ -1,5 +1,6 @@
 """Averaging a step's gradients across ranks, shared by the tape and the optimizers."""
 
+import numpy as np
 import tensorflow as tf
 
 from mpitrain.ops import Adasum, Average, ReduceOp
@@ -80,7 +81,8 @@ class GradientReducer:
                 by_dtype.setdefault(array.dtype, []).append(i)
             for dtype, members in by_dtype.items():
                 part = None if name is None else f"{name}.{dtype.name}"
-                reduce = self.packed.reduce if dtype in PACKABLE else allreduce_arrays
+                packable = dtype in PACKABLE and type(arrays[members[0]]) is np.ndarray
+                reduce = self.packed.reduce if packable else allreduce_arrays
                 values = reduce([arrays[i] for i in members], part, self.op, self.prescale,
                                 self.postscale, self.process_set)
                 for i, value in zip(members, values):

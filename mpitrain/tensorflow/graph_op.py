@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from mpitrain.tensorflow.errors import as_tf_error
-from mpitrain.tensorflow.tensors import to_numpy, to_tensor
+from mpitrain.tensorflow.tensors import to_array, to_tensor
 
 
 class XlaNotSupportedError(ValueError):
@@ -36,7 +36,7 @@ def run(body, inputs, output_dtypes, output_shapes, what):
         return []
     if tf.executing_eagerly():
         try:
-            results = body([to_numpy(tensor) for tensor in inputs])
+            results = body([to_array(tensor) for tensor in inputs])
         except Exception as error:
             mapped = as_tf_error(error)
             if mapped is error:

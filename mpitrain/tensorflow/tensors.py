@@ -1,16 +1,24 @@
-"""Moving values between TensorFlow tensors and numpy arrays, without copies where possible."""
+"""Moving values between TensorFlow tensors and arrays, without copies where possible."""
 
 import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
+from mpitrain import arrays
 from mpitrain.arrays import ALIGNMENT
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def to_numpy(tensor):
-    """A read-only numpy view of an eager CPU tensor (a copy for other devices)."""
+def to_array(tensor):
+    """The core's view of an eager tensor.
+
+    On the CPU, a read-only numpy view. On a GPU, a CuPy view through DLPack
+    where mpitrain can reduce device arrays (TensorFlow finishes the tensor
+    before handing it over), else a host copy.
+    """
+    if "GPU" in tensor.device.upper() and arrays.cupy() is not None:
+        return arrays.cupy().from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
     return np.asarray(tensor)
 
 
@@ -20,6 +28,8 @@ def to_tensor(array):
     The tensor keeps the array alive; the caller must not write to the array
     afterwards. Arrays from mpitrain's collectives are fresh, so this holds.
     """
+    if arrays.of(array) not in (arrays.HOST, None):      # a CuPy array on a GPU
+        return tf.experimental.dlpack.from_dlpack(array.toDlpack())
     if array.dtype == _BFLOAT16:        # DLPack has no bfloat16: move the bits
         return tf.bitcast(to_tensor(array.view(np.uint16)), tf.bfloat16)
     if (array.size and array.flags.c_contiguous and array.flags.writeable

@@ -1,4 +1,4 @@
-"""Torch tensors as numpy arrays for the core, and results back as tensors.
+"""Torch tensors as arrays for the core, and results back as tensors.
 
 CPU tensors share memory with the arrays in both directions: nothing is
 copied here. bfloat16 has no numpy type in torch, so it travels as an int16
@@ -9,20 +9,32 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from mpitrain import arrays
+
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
              torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def as_array(tensor, what="tensor"):
-    """A numpy array sharing ``tensor``'s memory; writes to it reach the tensor."""
+    """An array sharing ``tensor``'s memory; writes to it reach the tensor.
+
+    CPU tensors become numpy arrays; CUDA tensors become CuPy arrays through
+    DLPack, which orders CuPy's current stream after torch's.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cuda" and arrays.cupy() is not None:
+        if tensor.dtype == torch.bfloat16:
+            raise TypeError(f"{what}: bfloat16 on a GPU is not supported yet (CuPy "
+                            "has no bfloat16); use float16 or float32")
+        return arrays.cupy().from_dlpack(tensor.detach())
     if tensor.device.type != "cpu":
         raise TypeError(
-            f"{what} is on device '{tensor.device}', but this mpitrain build moves "
-            "CPU tensors only (mpitrain.torch.cuda_built() is False); move it with "
-            ".cpu() first")
+            f"{what} is on device '{tensor.device}', but mpitrain cannot move "
+            "tensors there here (mpitrain.torch.cuda_built() is False: install "
+            "CuPy with `pip install mpitrain[gpu]` on a CUDA machine, or move "
+            "the tensor with .cpu())")
     if tensor.layout != torch.strided:
         raise TypeError(
             f"{what} has layout {tensor.layout}; collectives take dense tensors "
@@ -39,7 +51,9 @@ def as_array(tensor, what="tensor"):
 
 
 def as_tensor(array):
-    """A tensor sharing ``array``'s memory."""
+    """A tensor sharing ``array``'s memory (CuPy arrays stay on their GPU)."""
+    if arrays.of(array) not in (arrays.HOST, None):
+        return torch.from_dlpack(array)
     if array.dtype == _BFLOAT16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
