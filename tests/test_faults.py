@@ -28,14 +28,17 @@ def run_failing_job(nprocs, how, meanwhile, env=()):
                       env=dict(env), timeout=60)
         ended = time.time()
         assert job.returncode is not None, f"the job hung:\n{job.stderr[-3000:]}"
-        with open(os.path.join(run_dir, "failed_at")) as stream:
-            elapsed = ended - float(stream.read())
-        pids = [int(open(os.path.join(run_dir, f"pid.{rank}")).read())
-                for rank in range(nprocs)]
+        elapsed = ended - float(read(os.path.join(run_dir, "failed_at")))
+        pids = [int(read(os.path.join(run_dir, f"pid.{rank}"))) for rank in range(nprocs)]
         assert_nothing_left(run_dir, pids)
     print(f"\n{how} on rank {nprocs - 1} of {nprocs} while the others {meanwhile}: "
           f"the job exited with {job.returncode} {elapsed:.2f} s after the failure")
     return job, elapsed
+
+
+def read(path):
+    with open(path) as stream:
+        return stream.read()
 
 
 def assert_nothing_left(run_dir, pids):
