@@ -51,20 +51,17 @@ def _mpi_library():
 
 def _gpu_lines(torch, tensorflow):
     from mpitrain import basics
-    lines = [f"  {_mark(basics.cuda_built())} CUDA: mpitrain moves tensors in host "
-             f"memory only (cuda_built() is {basics.cuda_built()})",
-             f"  {_mark(basics.nccl_built())} NCCL (nccl_built() is {basics.nccl_built()})"]
+    cuda, nccl = basics.cuda_built(), basics.nccl_built()
+    lines = [f"  {_mark(cuda)} CUDA: cuda_built() is {cuda}",
+             f"  {_mark(nccl)} NCCL: nccl_built() is {nccl}"]
     seen = {}
     if torch is not None:
         seen["PyTorch"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if tensorflow is not None:
         seen["TensorFlow"] = len(tensorflow.config.list_physical_devices("GPU"))
-    if any(seen.values()):
-        counts = ", ".join(f"{count} to {name}" for name, count in seen.items())
-        lines.append(f"  GPUs visible: {counts}; mpitrain.torch refuses GPU tensors, "
-                     "mpitrain.tensorflow copies them to the host")
-    elif seen:
-        lines.append(f"  GPUs visible to {' or '.join(seen)}: none")
+    if seen:
+        lines.append("  GPUs visible: " + ", ".join(
+            f"{count} to {name}" for name, count in seen.items()))
     return lines
 
 
