@@ -94,7 +94,7 @@ def build_parser():
     parser.add_argument("-H", "--hosts", metavar="HOSTS",
                         help="hosts and their slots, e.g. node1:2,node2:2 "
                              "(default: this machine)")
-    parser.add_argument("--hostfile", metavar="FILE",
+    parser.add_argument("-hostfile", "--hostfile", metavar="FILE",
                         help="a file of hosts, one a line: 'node1 slots=2' or 'node1:2'")
     parser.add_argument("--mpi-args", default="", metavar="ARGS",
                         help="more arguments for mpirun, e.g. --mpi-args='--bind-to none'")
@@ -105,7 +105,7 @@ def build_parser():
             parser.add_argument(*flags, type=convert, metavar=metavar, help=text)
     parser.add_argument("--verbose", action="store_true",
                         help="print which mpirun runs and the command line")
-    parser.add_argument("--check-build", action="store_true",
+    parser.add_argument("-cb", "--check-build", action="store_true",
                         help="print which frameworks, MPI library and GPU support "
                              "mpitrain finds here, and exit")
     parser.add_argument("--dry-run", action="store_true",
