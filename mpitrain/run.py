@@ -183,6 +183,11 @@ def is_this_machine(host):
                     socket.getfqdn())
 
 
+def all_on_this_machine(hosts):
+    """True for no hosts at all (the default) or only this machine's names."""
+    return all(is_this_machine(host) for host, _ in hosts)
+
+
 def cores():
     """Cores this process may run on, counted as Open MPI counts slots (no hyperthreads)."""
     cpus = os.sched_getaffinity(0)
@@ -229,7 +234,7 @@ def job_environment(variables, hosts, nprocs, flavor, environ):
     """The environment mpirun runs with: the settings plus what MPI needs here."""
     env = dict(environ)
     env.update(variables)
-    local = all(is_this_machine(host) for host, _ in hosts)
+    local = all_on_this_machine(hosts)
     if flavor == "openmpi":
         if os.geteuid() == 0 and "OMPI_ALLOW_RUN_AS_ROOT" not in env:
             warn("running as root: allowing Open MPI to start "
@@ -248,13 +253,12 @@ def job_environment(variables, hosts, nprocs, flavor, environ):
 
 def mpirun_command(mpirun, flavor, args, hosts, env):
     line = [mpirun, "-np", str(args.nprocs)]
-    local = all(is_this_machine(host) for host, _ in hosts)
     if hosts:
         spec = ",".join(f"{host}:{slots}" for host, slots in hosts)
         line += ["--host", spec] if flavor == "openmpi" else ["-hosts", spec]
     elif flavor == "openmpi" and args.nprocs > cores():
         line.append("--oversubscribe")
-    if not local:
+    if not all_on_this_machine(hosts):
         # Remote ranks do not inherit this shell's environment.
         forwarded = sorted(name for name in env
                            if name.startswith(("MPITRAIN_", "HOROVOD_")))
@@ -290,7 +294,7 @@ def run(line, env):
         # ranks; give it that time before stopping it ourselves.
         try:
             code = process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
             process.terminate()
             code = process.wait()
     return 128 - code if code < 0 else code
@@ -336,7 +340,7 @@ def main(argv=None, environ=None):
     if flavor == "unknown" and hosts:
         parser.exit(2, f"mpitrainrun: {mpirun} is neither Open MPI nor MPICH, so "
                        "mpitrainrun cannot pass it hosts; run it yourself\n")
-    local = all(is_this_machine(host) for host, _ in hosts)
+    local = all_on_this_machine(hosts)
     if local and not args.dry_run:
         check_program(parser, args.command, environ)
     env = job_environment(variables, hosts, args.nprocs, flavor, environ)
