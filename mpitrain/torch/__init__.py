@@ -6,6 +6,7 @@ from mpitrain.basics import (
     gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
     remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
+from mpitrain.checkpoint import CheckpointError
 from mpitrain.errors import (
     HorovodInternalError, MismatchError, MpitrainInternalError, ShutdownError)
 from mpitrain.handles import poll, synchronize
@@ -15,6 +16,7 @@ from mpitrain.process_sets import ProcessSet, global_process_set
 from mpitrain.torch.autograd import (
     allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
     grouped_reducescatter, reducescatter)
+from mpitrain.torch.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.ops import (

@@ -10,7 +10,9 @@ from mpitrain.tensorflow import (
     grouped_allgather, grouped_allreduce, init, is_homogeneous, is_initialized, join,
     local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
     reducescatter, remove_process_set, shutdown, size, start_timeline, stop_timeline)
+from mpitrain.checkpoint import CheckpointError
 from mpitrain.tensorflow.keras import callbacks
+from mpitrain.tensorflow.keras.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer
 from mpitrain.tensorflow.keras.saving import load_model
 from mpitrain.tensorflow.keras.variables import broadcast_global_variables
