@@ -16,6 +16,11 @@ from mpitrain.ops import Adasum, Average, OpType, ReduceOp, Sum, resolve_op
 from mpitrain.process_sets import global_process_set
 
 
+# Module-level names: an enum attribute costs a lookup on every call.
+ALLREDUCE, ALLGATHER, BROADCAST = OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST
+ALLTOALL, REDUCESCATTER = OpType.ALLTOALL, OpType.REDUCESCATTER
+
+
 class _Problem(Exception):
     """An argument error found on this rank; the other ranks hear of it too."""
 
@@ -55,14 +60,14 @@ def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
         handle.ready = backend.record_ready()
     try:
         _check(controller, handle)
-        if kind == OpType.ALLTOALL:
+        if kind == ALLTOALL:
             handle.splits = _alltoall_splits(array, splits, controller.size)
     except _Problem as problem:
         return handle, problem
     return handle, None
 
 
-_NEEDS_A_DIMENSION = frozenset({OpType.ALLGATHER, OpType.ALLTOALL, OpType.REDUCESCATTER})
+_NEEDS_A_DIMENSION = frozenset({ALLGATHER, ALLTOALL, REDUCESCATTER})
 _SCATTER_OPS = frozenset({Average, Sum})
 
 
@@ -78,10 +83,10 @@ def _check(controller, handle):
         if handle.input.ndim == 0:
             raise _Problem("value", f"{kind.label} needs an array with at least one "
                                     "dimension, got a scalar")
-        if kind == OpType.REDUCESCATTER and handle.op not in _SCATTER_OPS:
+        if kind == REDUCESCATTER and handle.op not in _SCATTER_OPS:
             raise _Problem("value", "reducescatter supports only op=Average and "
                                     f"op=Sum, got {ReduceOp(handle.op).name.capitalize()}")
-    elif kind == OpType.BROADCAST and not 0 <= handle.root < controller.size:
+    elif kind == BROADCAST and not 0 <= handle.root < controller.size:
         raise _Problem("value", f"root_rank {handle.root} is out of range for a "
                                 f"process set of {controller.size} ranks")
     output, array = handle.output, handle.input
@@ -94,7 +99,7 @@ def _check(controller, handle):
                                 f"{output.dtype} cannot hold the result for input "
                                 f"of shape {array.shape} and dtype {array.dtype} "
                                 "(or it lives on another device)")
-    if not output.flags.writeable and not (kind == OpType.BROADCAST
+    if not output.flags.writeable and not (kind == BROADCAST
                                            and handle.root == controller.rank):
         raise _Problem("value", "the output array is read-only")
 
@@ -142,27 +147,30 @@ def _submit(engine, controller, prepared):
         f"{first}")
 
 
-def _one(kind, array, name, process_set, **params):
+def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, root=-1,
+         output=None, splits=None):
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
         name = controller.automatic_name(kind)
-    handle, problem = _prepare(controller, kind, array, name, **params)
+    handle, problem = _prepare(controller, kind, array, name, op, prescale, postscale,
+                               root, output, splits)
     if problem is None:
         engine.enqueue(controller, handle)
         return handle
     return _submit(engine, controller, [(handle, problem)])[0]
 
 
-def _group(kind, arrays, name, process_set, outputs=None, **params):
+def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
+           postscale=1.0):
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
         name = controller.automatic_name(kind)
     arrays = list(arrays)
     outputs = [None] * len(arrays) if outputs is None else list(outputs)
-    prepared = [_prepare(controller, kind, array, f"{name}_{i}of{len(arrays)}",
-                         output=output, **params)
+    prepared = [_prepare(controller, kind, array, f"{name}_{i}of{len(arrays)}", op,
+                         prescale, postscale, output=output)
                 for i, (array, output) in enumerate(zip(arrays, outputs))]
     return GroupHandle(_submit(engine, controller, prepared))
 
@@ -171,7 +179,7 @@ def allreduce_async(array, average=None, name=None, op=None, prescale_factor=1.0
                     postscale_factor=1.0, process_set=global_process_set, *,
                     output=None):
     """Start reducing ``array`` across the set; ``output`` receives it in place."""
-    return _one(OpType.ALLREDUCE, array, name, process_set,
+    return _one(ALLREDUCE, array, name, process_set,
                 op=resolve_op(op, average), prescale=float(prescale_factor),
                 postscale=float(postscale_factor), output=output)
 
@@ -185,7 +193,7 @@ def allreduce(array, average=None, name=None, op=None, prescale_factor=1.0,
 def grouped_allreduce_async(arrays, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set, *, outputs=None):
-    return _group(OpType.ALLREDUCE, arrays, name, process_set, outputs,
+    return _group(ALLREDUCE, arrays, name, process_set, outputs,
                   op=resolve_op(op, average), prescale=float(prescale_factor),
                   postscale=float(postscale_factor))
 
@@ -199,7 +207,7 @@ def grouped_allreduce(arrays, average=None, name=None, op=None, prescale_factor=
 
 def allgather_async(array, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``array`` along the first dimension."""
-    return _one(OpType.ALLGATHER, array, name, process_set)
+    return _one(ALLGATHER, array, name, process_set)
 
 
 def allgather(array, name=None, process_set=global_process_set):
@@ -207,7 +215,7 @@ def allgather(array, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(arrays, name=None, process_set=global_process_set):
-    return _group(OpType.ALLGATHER, arrays, name, process_set)
+    return _group(ALLGATHER, arrays, name, process_set)
 
 
 def grouped_allgather(arrays, name=None, process_set=global_process_set):
@@ -217,7 +225,7 @@ def grouped_allgather(arrays, name=None, process_set=global_process_set):
 def broadcast_async(array, root_rank, name=None, process_set=global_process_set, *,
                     output=None):
     """Start sending ``array`` from ``root_rank`` (a rank of the set) to all."""
-    return _one(OpType.BROADCAST, array, name, process_set,
+    return _one(BROADCAST, array, name, process_set,
                 root=_rank_argument(root_rank), output=output)
 
 
@@ -234,7 +242,7 @@ def _rank_argument(value):
 
 def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
     """Start sending ``splits[i]`` rows to rank i; the result is (output, received splits)."""
-    return _one(OpType.ALLTOALL, array, name, process_set, splits=splits)
+    return _one(ALLTOALL, array, name, process_set, splits=splits)
 
 
 def alltoall(array, splits=None, name=None, process_set=global_process_set):
@@ -244,7 +252,7 @@ def alltoall(array, splits=None, name=None, process_set=global_process_set):
 def reducescatter_async(array, op=Average, name=None, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     """Start reducing ``array`` and scattering its rows; low ranks get any extra row."""
-    return _one(OpType.REDUCESCATTER, array, name, process_set,
+    return _one(REDUCESCATTER, array, name, process_set,
                 op=resolve_op(op, None), prescale=float(prescale_factor),
                 postscale=float(postscale_factor))
 
@@ -258,7 +266,7 @@ def reducescatter(array, op=Average, name=None, process_set=global_process_set,
 def grouped_reducescatter_async(arrays, op=Average, name=None,
                                 process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
-    return _group(OpType.REDUCESCATTER, arrays, name, process_set,
+    return _group(REDUCESCATTER, arrays, name, process_set,
                   op=resolve_op(op, None), prescale=float(prescale_factor),
                   postscale=float(postscale_factor))
 

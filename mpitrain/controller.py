@@ -25,6 +25,7 @@ from mpitrain.messages import Response
 from mpitrain.ops import OpType
 from mpitrain.stall import StallInspector
 
+ALLREDUCE, JOIN = OpType.ALLREDUCE, OpType.JOIN
 HEARTBEAT = 1.0          # seconds between rounds of an idle rank
 MAX_PAUSE = 0.01         # longest pause between rounds of a rank with work
 SPIN = 50e-6             # seconds to test a fresh request before sleeping on it
@@ -58,7 +59,7 @@ class SetController:
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.incoming = []            # entries not yet seen by the engine
         self.pending = {}             # name -> Handle the engine is negotiating
-        self._done = []               # (entry, result, error) not yet published
+        self._done = []               # finished entries not yet published
         self._plans = {}              # (ready slots, cache generation) -> fusion plan
         self.joined = False
         self.any_joined = False
@@ -148,9 +149,10 @@ class SetController:
             new, self.incoming = self.incoming, []
         if new:
             self.last_progress = now
+        pending = self.pending
         for entry in new:
-            self.pending[entry.name] = entry
-            if entry.kind == OpType.JOIN:
+            pending[entry.name] = entry
+            if entry.kind == JOIN:
                 self.joined = True
             if timeline is not None and not entry.ghost:
                 timeline.begin([entry.name], "NEGOTIATE_" + entry.kind.name,
@@ -239,41 +241,49 @@ class SetController:
         return list(known[1])
 
     def _classify(self, now):
-        """Sort pending entries into cache hits, invalid slots and uncached."""
+        """Sort pending entries into cache hits, invalid slots and uncached.
+
+        An entry found in the cache stays a hit without another lookup until
+        the cache changes (its generation moves on).
+        """
         ready = invalid = 0
         uncached = []
         cache = self.cache
+        generation = cache.generation
+        only_allreduce = self.any_joined      # joined ranks serve allreduces alone
+        stalled_before = (float("-inf") if self.stall_after is None
+                          else now - self.stall_after)
         for entry in self.pending.values():
-            if entry.state == SENT:
+            state = entry.state
+            if state == SENT:
                 continue
-            kind = entry.kind
-            use_cache = (kind in CACHEABLE and not entry.error
-                         and not (self.any_joined and kind != OpType.ALLREDUCE))
-            if entry.state == CACHED and not (use_cache
-                                              and entry.generation == cache.generation):
+            if state == CACHED and entry.generation == generation and not (
+                    only_allreduce and entry.kind != ALLREDUCE):
+                slot = entry.slot
+            elif (entry.kind in CACHEABLE and not entry.error
+                  and not (only_allreduce and entry.kind != ALLREDUCE)):
                 result, slot = cache.lookup(entry.name, entry.signature)
-                if not use_cache or result != HIT:
+                entry.generation = generation
+                if result == INVALID:
                     entry.state = QUEUED
-                entry.generation = cache.generation
-            if entry.state == QUEUED:
-                if use_cache:
-                    result, slot = cache.lookup(entry.name, entry.signature)
-                    if result == INVALID:
-                        invalid |= 1 << slot
-                        continue
-                    if result == HIT:
-                        entry.state = CACHED
-                        entry.slot = slot
-                        entry.generation = cache.generation
-                if entry.state == QUEUED:
+                    invalid |= 1 << slot
+                    continue
+                if result != HIT:
+                    entry.state = QUEUED
                     uncached.append(entry)
                     continue
-            if self.stall_after is not None and now - entry.enqueued > self.stall_after:
+                entry.state = CACHED
+                entry.slot = slot
+            else:
+                entry.state = QUEUED
+                uncached.append(entry)
+                continue
+            if entry.enqueued < stalled_before:
                 # Route a long-stalled cached tensor through the coordinator,
                 # whose stall inspector can name the ranks that are missing.
-                invalid |= 1 << entry.slot
+                invalid |= 1 << slot
             else:
-                ready |= 1 << entry.slot
+                ready |= 1 << slot
         return ready, invalid, uncached
 
     def _allreduce_slots(self):
@@ -336,10 +346,12 @@ class SetController:
     # -- completing entries ---------------------------------------------------
 
     def _finish(self, entry, value):
-        self._done.append((entry, value, None))
+        entry.result = value
+        self._done.append(entry)
 
     def _fail(self, entry, error):
-        self._done.append((entry, None, error))
+        entry.error_raised = error
+        self._done.append(entry)
 
     def _complete(self):
         """Retire finished entries under one lock, then publish their results.
@@ -350,18 +362,19 @@ class SetController:
         done, self._done = self._done, []
         if not done:
             return
+        in_flight = self.in_flight
         with self.engine.lock:
-            for entry, _, _ in done:
+            for entry in done:
                 successor = entry.successor
                 if successor is None:
-                    self.in_flight.pop(entry.name, None)
+                    in_flight.pop(entry.name, None)
                 else:
-                    self.in_flight[entry.name] = successor
+                    in_flight[entry.name] = successor
                     self.incoming.append(successor)
         pending = self.pending
-        for entry, value, error in done:
+        for entry in done:
             pending.pop(entry.name, None)
-            entry.publish(value, error)
+            entry.publish()
         notify_waiters()
 
     # -- called by user threads ----------------------------------------------

@@ -39,7 +39,8 @@ class Engine:
         self.topology = topology
         self.config = config
         self.cuda_aware = cuda_aware.resolve(config.cuda_aware)
-        self.lock = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()      # entered directly on the hot path
+        self.lock = threading.Condition(self._mutex)
         self.timeline = TimelineHolder()
         self.controllers = {}          # process set id -> SetController (member sets)
         self.set_ranks = {}            # process set id -> ranks, for every registered set
@@ -74,7 +75,7 @@ class Engine:
     def enqueue(self, controller, entry):
         """Hand one handle to the engine (the hot path of every async call)."""
         name = entry.name
-        with self.lock:
+        with self._mutex:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
             existing = controller.in_flight.get(name)

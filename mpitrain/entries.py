@@ -11,7 +11,8 @@ from mpitrain.handles import completed
 from mpitrain.messages import Request
 from mpitrain.ops import OpType
 
-QUEUED, CACHED, SENT = range(3)   # waiting to be sorted, served by the cache, at the coordinator
+QUEUED, CACHED, SENT = range(3)
+_ALLTOALL = OpType.ALLTOALL   # waiting to be sorted, served by the cache, at the coordinator
 
 
 def signature(kind, dtype_code, shape, op, prescale, postscale, root, device=-1):
@@ -20,7 +21,7 @@ def signature(kind, dtype_code, shape, op, prescale, postscale, root, device=-1)
     Alltoall may send a different number of rows each time; its other
     dimensions must still match. Of the device, only CPU or GPU matters.
     """
-    if kind == OpType.ALLTOALL:
+    if kind == _ALLTOALL:
         shape = shape[1:]
     return (kind, dtype_code, shape, op, prescale, postscale, root, device >= 0)
 
@@ -32,7 +33,7 @@ class Handle:
                  "postscale", "root", "input", "output", "device", "ready", "splits",
                  "signature",
                  "enqueued", "state", "slot", "generation", "successor", "error",
-                 "error_kind", "ghost", "_done", "_value", "_error")
+                 "error_kind", "ghost", "result", "error_raised", "_done")
 
     def __init__(self, name, kind, rank, dtype, shape, op=0, prescale=1.0,
                  postscale=1.0, root=-1, input=None, output=None, device=-1):
@@ -60,9 +61,9 @@ class Handle:
         self.error = ""                   # a local argument error, sent to the other ranks
         self.error_kind = ""
         self.ghost = False                # the caller already got the local error
+        self.result = None                # set by the engine, visible once done
+        self.error_raised = None
         self._done = False
-        self._value = None
-        self._error = None
 
     def request(self, now):
         """The record sent to the coordinator."""
@@ -79,14 +80,13 @@ class Handle:
             with completed:
                 while not self._done:
                     completed.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        if self.error_raised is not None:
+            raise self.error_raised
+        return self.result
 
-    def publish(self, value, error):
+    def publish(self):
+        """Make the result (or error) the engine set visible to waiters."""
         self.input = self.output = self.ready = None   # keep the caller's arrays no longer
-        self._value = value
-        self._error = error
         self._done = True
 
     def __repr__(self):
