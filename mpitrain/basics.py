@@ -43,6 +43,7 @@ def init(comm=None, process_sets=None):
         from mpitrain.engine import Engine, create_communicator
         topo = topology.build(comm)
         logs.configure(topo.rank, config.log_level)
+        topology.warn_about_threads(topo)
         faults.abort_on_unhandled_exceptions(config.abort_on_exception)
         static = _static_sets(process_sets, topo)
         engine = Engine(topo, config)

@@ -16,7 +16,8 @@ LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
 FORMAT = "%(asctime)s mpitrain[rank %(rank)d] %(levelname)s: %(message)s"
 
 logger = logging.getLogger("mpitrain")
-_installed = []     # the handler and filter configure() added last time
+stall_logger = logging.getLogger("mpitrain.stall")
+_installed = []     # the handler configure() added last time
 
 
 def level_name(text):
@@ -53,17 +54,20 @@ def configure(rank, level=""):
     """Show mpitrain's records on stderr with the rank; level: a LEVELS name or ""."""
     for installed in _installed:
         logger.removeHandler(installed)
-        logger.removeFilter(installed)
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(FORMAT))
     rank_filter = _RankFilter(rank)
-    logger.addFilter(rank_filter)
+    handler.addFilter(rank_filter)       # records of child loggers reach it too
     logger.addHandler(handler)
-    _installed[:] = [handler, rank_filter]
+    _installed[:] = [handler]
     # Our handler prints the records; passing them on to the root logger too
     # would print each one twice where the application configured logging.
     logger.propagate = False
     if level:
         logger.setLevel(LEVELS[level])
+        stall_logger.setLevel(logging.NOTSET)
     else:
         logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+        # A process set's stall warning is logged only by that set's coordinator,
+        # which need not be rank 0: let it through on every rank.
+        stall_logger.setLevel(logging.WARNING)

@@ -2,7 +2,7 @@
 
 import logging
 
-log = logging.getLogger("mpitrain")
+log = logging.getLogger("mpitrain.stall")
 
 _NAMES_PER_RANK = 6
 

@@ -63,14 +63,18 @@ def _job_communicator(MPI, comm):
         group.Free()
 
 
+def warn_about_threads(topology):
+    """Called once logging knows the rank."""
+    if not topology.threads_multiple:
+        log.warning(
+            "MPI was initialized without MPI_THREAD_MULTIPLE; mpitrain's engine "
+            "thread calls MPI, so do not call MPI from other threads, or let "
+            "mpitrain initialize MPI (thread_level='multiple')")
+
+
 def build(comm=None):
     MPI = start_mpi()
     provided = MPI.Query_thread()
-    if provided < MPI.THREAD_MULTIPLE:
-        log.warning(
-            "MPI was initialized without MPI_THREAD_MULTIPLE (level %d); "
-            "mpitrain's engine thread calls MPI, so do not call MPI from other "
-            "threads, or initialize MPI with thread_level='multiple'", provided)
     job = _job_communicator(MPI, comm)
     local = job.Split_type(MPI.COMM_TYPE_SHARED, key=job.rank)
     cross = job.Split(color=local.rank, key=job.rank)

@@ -26,7 +26,7 @@ def wait_for_stall_shutdown(name, warm_up_steps):
     records = Records()
     logging.getLogger("mpitrain").addHandler(records)
     mt.init()
-    r, n = mt.rank(), mt.size()
+    r = mt.rank()
     for _ in range(warm_up_steps):
         mt.allreduce(np.ones(2), name=name)
     started = time.monotonic()
@@ -64,3 +64,21 @@ def test_shutdown_time_zero_only_warns():
     if mt.rank() == 1:
         time.sleep(2.0)
     assert mt.allreduce(np.ones(1), op=mt.Sum, name="slow.rank")[0] == mt.size()
+
+
+@mpi_test(np=(3,), env=FAST_STALL, init=False)
+def test_a_stall_in_a_set_without_rank_0_is_reported_by_its_coordinator():
+    records = Records()
+    logging.getLogger("mpitrain").addHandler(records)
+    pair = mt.ProcessSet([1, 2])
+    mt.init(process_sets=[pair])
+    if mt.rank() == 1:                       # the pair's coordinator
+        with pytest.raises(mt.ShutdownError, match="'in.the.pair'"):
+            mt.allreduce(np.ones(2), name="in.the.pair", process_set=pair)
+        assert any("'in.the.pair'" in m and "rank 2" in m for m in records.messages), \
+            records.messages
+    else:
+        while mt.is_initialized():
+            time.sleep(0.05)
+    mt.shutdown()
+    logging.getLogger("mpitrain").removeHandler(records)
