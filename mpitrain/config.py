@@ -24,6 +24,7 @@ class Config:
     autotune_log: str = ""                 # CSV file of what autotune tried (rank 0)
     log_level: str = ""                    # "": warnings on rank 0, errors elsewhere
     abort_on_exception: bool = True        # an unhandled exception aborts the whole job
+    elastic_reset_limit: int = 3           # resets elastic.run tries before giving up; 0: no limit
     cuda_aware: str = "auto"               # does MPI take device buffers: auto, 1, 0
     gpu_operations: str = "mpi"            # device allreduces over mpi or nccl
     explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
@@ -96,6 +97,8 @@ _VARIABLES = {
     "log_level": ("LOG_LEVEL", logs.level_name,
                   "one of trace, debug, info, warning, error, fatal"),
     "abort_on_exception": ("ABORT_ON_EXCEPTION", _flag, "0 or 1"),
+    "elastic_reset_limit": ("ELASTIC_RESET_LIMIT", _nonnegative_int,
+                            "a whole number of resets >= 0 (0: no limit)"),
     "cuda_aware": ("CUDA_AWARE", _choice("auto", "1", "0"), "auto, 1 or 0"),
     "gpu_operations": ("GPU_OPERATIONS", _choice("mpi", "nccl"), "mpi or nccl"),
 }

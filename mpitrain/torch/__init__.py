@@ -18,6 +18,7 @@ from mpitrain.torch.autograd import (
     grouped_reducescatter, reducescatter)
 from mpitrain.torch.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.torch.compression import Compression
+from mpitrain.torch import elastic
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.ops import (
     allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async,

@@ -13,7 +13,7 @@ from mpitrain.tensorflow import (
     reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline,
     stop_timeline)
 from mpitrain.checkpoint import CheckpointError
-from mpitrain.tensorflow.keras import callbacks
+from mpitrain.tensorflow.keras import callbacks, elastic
 from mpitrain.tensorflow.keras.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer
 from mpitrain.tensorflow.keras.saving import load_model

@@ -1,0 +1,188 @@
+"""Horovod's ``hvd.elastic`` for PyTorch, within a fixed MPI world.
+
+``TorchState(model, optimizer, sampler=..., epoch=0, ...)`` commits and
+restores models, optimizers and ElasticSamplers given as arguments along
+with plain values; ``run`` is mpitrain.elastic.run (see there, and
+docs/fault-tolerance.md for what survives and what does not).
+"""
+
+import copy
+import math
+
+import torch
+
+from mpitrain import basics
+from mpitrain.elastic import State, run
+from mpitrain.objects import allgather_object, broadcast_object
+from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from mpitrain.torch.optimizer import _DistributedOptimizer
+
+__all__ = ["ElasticSampler", "State", "TorchState", "run"]
+
+
+class TorchState(State):
+    """Models, optimizers, ElasticSamplers and plain values, committed together.
+
+    Every argument becomes an attribute (``state.model``, ``state.epoch``).
+    """
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        kwargs.update(model=model, optimizer=optimizer)
+        self._handled = {}
+        for name, value in list(kwargs.items()):
+            handler = _handler_for(value)
+            if handler is not None:
+                self._handled[name] = handler
+                setattr(self, name, kwargs.pop(name))
+        super().__init__(**kwargs)
+
+    def save(self):
+        for handler in self._handled.values():
+            handler.save()
+        super().save()
+
+    def restore(self):
+        for handler in self._handled.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self):
+        for handler in self._handled.values():
+            handler.sync()
+        super().sync()
+
+
+def _handler_for(value):
+    if isinstance(value, torch.nn.Module):
+        return _ModuleHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
+
+class _ModuleHandler:
+    def __init__(self, module):
+        self.module = module
+
+    def save(self):
+        self.saved = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def restore(self):
+        self.module.load_state_dict(self.saved)
+
+    def sync(self):
+        broadcast_parameters(self.module.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def save(self):
+        self.saved = copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self):
+        self.optimizer.load_state_dict(copy.deepcopy(self.saved))
+        if isinstance(self.optimizer, _DistributedOptimizer):
+            _forget_gradients_in_flight(self.optimizer)
+
+    def sync(self):
+        broadcast_optimizer_state(self.optimizer, root_rank=0)
+
+
+def _forget_gradients_in_flight(optimizer):
+    """Drop what a failed step left behind: handles of an engine that has stopped.
+
+    A step that failed while backward was still submitting gradients leaves
+    them counted as in flight, and zero_grad() would refuse to run.
+    """
+    optimizer._pending.clear()
+    optimizer._passes_left = dict.fromkeys(optimizer._trained, optimizer._passes_per_step)
+    optimizer._group_arrived = dict.fromkeys(optimizer._group_arrived, 0)
+    optimizer._synchronized = False
+
+
+class _SamplerHandler:
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def save(self):
+        self.saved = copy.deepcopy(self.sampler.state_dict())
+
+    def restore(self):
+        self.sampler.load_state_dict(copy.deepcopy(self.saved))
+
+    def sync(self):
+        """Every rank skips what any rank has processed this epoch."""
+        processed = set().union(*allgather_object(self.sampler.processed_indices,
+                                                  "mpitrain.elastic.processed"))
+        state = self.sampler.state_dict()
+        state["processed_indices"] = processed
+        self.sampler.load_state_dict(broadcast_object(state, 0,
+                                                      "mpitrain.elastic.sampler"))
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Shards a dataset over the ranks and remembers what was processed.
+
+    Call ``record_batch(batch_idx, batch_size)`` after each batch and
+    ``set_epoch(epoch)`` at the start of each epoch. After a reset, the
+    samples processed since the epoch began (on any rank, as of the last
+    commit) are skipped and the rest are sharded again. With shuffle=True
+    the order depends on seed and epoch only, so it is the same everywhere.
+    """
+
+    def __init__(self, dataset, shuffle=True, seed=0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_indices = set()
+        self.indices = []
+        self.reset()
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.processed_indices = set()
+        self.reset()
+
+    def record_batch(self, batch_idx, batch_size):
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def record_indices(self, indices):
+        self.processed_indices.update(indices)
+
+    def get_indices(self, batch_idx, batch_size):
+        """This rank's indices of batch ``batch_idx`` in the current pass."""
+        start = batch_idx * batch_size
+        return self.indices[start:start + batch_size]
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+        self.processed_indices = set(state["processed_indices"])
+        self.reset()
+
+    def reset(self):
+        self.rank, self.num_replicas = basics.rank(), basics.size()
+        self.remaining_indices = [i for i in range(len(self.dataset))
+                                  if i not in self.processed_indices]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self):
+        order = list(self.remaining_indices)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = [order[i] for i in torch.randperm(len(order), generator=generator)]
+        if order:                           # repeat some so every rank gets as many
+            order = (order * math.ceil(self.total_size / len(order)))[:self.total_size]
+        self.indices = order[self.rank:self.total_size:self.num_replicas]
+        return iter(self.indices)
+
+    def __len__(self):
+        return self.num_samples
