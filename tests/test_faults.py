@@ -128,6 +128,15 @@ def test_a_frozen_rank_ends_the_job_after_the_shutdown_time():
     assert 3 <= elapsed < DEADLINE
 
 
+@pytest.mark.parametrize("how", ["raise", "sigkill", "freeze", "stall"])
+def test_elastic_training_does_not_retry_what_it_cannot_recover(how):
+    """Only a reset that every rank joins is retried: a lost rank never joins."""
+    job, elapsed = run_failing_job(3, how, "elastic", FAST_STALL)
+    assert job.returncode != 0
+    assert "elastic reset" not in job.stderr
+    assert elapsed < DEADLINE
+
+
 def test_the_default_settings_never_wait_forever():
     defaults = config.from_environ({})
     assert not defaults.stall_check_disable

@@ -6,7 +6,8 @@ HOW: raise (an unhandled exception), thread (one in a data-loading thread,
 while the main thread waits for its batch), sigkill, freeze (SIGSTOP),
 stall (stops submitting: sleeps for an hour).
 WHILE: what the other ranks do meanwhile: allreduce (wait for the failed
-rank's tensor) or compute (an hour of work that calls no MPI).
+rank's tensor), compute (an hour of work that calls no MPI), or elastic
+(wait for its tensor, every rank training inside mpitrain.elastic.run).
 Every rank writes its pid to RUN_DIR/pid.<rank>; the failing rank writes the
 wall-clock time of its failure to RUN_DIR/failed_at.
 """
@@ -21,6 +22,7 @@ import time
 import numpy as np
 
 import mpitrain as mt
+from mpitrain import elastic
 
 how, meanwhile, run_dir = sys.argv[1:4]
 mt.init()
@@ -50,11 +52,18 @@ def fail():
         time.sleep(3600)
 
 
-weights = np.zeros(1000, np.float32)
-for step in range(10):
-    if step == 5 and rank == size - 1:
-        fail()
-    if step == 5 and rank != size - 1 and meanwhile == "compute":
-        time.sleep(3600)
-    weights -= 0.1 * mt.allreduce(np.full(1000, rank, np.float32), name="gradient")
+def train(state):
+    while state.step < 10:
+        if state.step == 5 and rank == size - 1:
+            fail()
+        if state.step == 5 and rank != size - 1 and meanwhile == "compute":
+            time.sleep(3600)
+        state.weights -= 0.1 * mt.allreduce(np.full(1000, rank, np.float32),
+                                            name="gradient")
+        state.step += 1
+        state.commit()
+
+
+state = elastic.State(step=0, weights=np.zeros(1000, np.float32))
+(elastic.run(train) if meanwhile == "elastic" else train)(state)
 print(f"rank {rank} finished", flush=True)
