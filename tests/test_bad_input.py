@@ -7,6 +7,7 @@ every rank, and that the engine still works afterwards.
 
 import functools
 import os
+import re
 import time
 
 import numpy as np
@@ -293,3 +294,15 @@ def test_disagreements_that_end_in_the_stall_report():
         mt.shutdown()
     mt.init()
     engine_still_works()
+
+
+def test_every_test_docs_bad_input_names_exists():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "bad-input.md")) as page:
+        cited = set(re.findall(r"`(test_\w+\.py)::(test_\w+)`", page.read()))
+    assert len(cited) > 30
+    missing = []
+    for filename, name in sorted(cited):
+        with open(os.path.join(os.path.dirname(__file__), filename)) as source:
+            if f"def {name}(" not in source.read():
+                missing.append(f"{filename}::{name}")
+    assert not missing
