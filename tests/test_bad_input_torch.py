@@ -166,10 +166,6 @@ def test_a_process_set_this_rank_is_not_in():
 @mpi_test()
 def test_optimizer_helpers_with_models_that_differ_between_ranks():
     r = hvd.rank()
-    wider = torch.nn.Linear(2, 2 + (r == 1))
-    message = raises_everywhere(hvd.MismatchError, "shapes", lambda: hvd.broadcast_parameters(
-        wider.state_dict(), root_rank=0))
-    assert "'bias'" in message or "'weight'" in message
     model = torch.nn.Linear(2, 2).to(torch.float64 if r == 1 else torch.float32)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters())
@@ -185,6 +181,12 @@ def test_optimizer_helpers_with_models_that_differ_between_ranks():
             hvd.broadcast_optimizer_state(other, root_rank=0)
     else:
         hvd.broadcast_optimizer_state(other, root_rank=0)
+    # Last: broadcast_parameters raises at the first failed tensor and leaves
+    # the others in flight a moment longer, so 'weight' must not be reused here.
+    wider = torch.nn.Linear(2, 2 + (r == 1))
+    message = raises_everywhere(hvd.MismatchError, "shapes", lambda: hvd.broadcast_parameters(
+        wider.state_dict(), root_rank=0))
+    assert "'bias'" in message or "'weight'" in message
     engine_still_works()
 
 
@@ -258,3 +260,21 @@ def test_disagreements_that_end_in_the_stall_report():
     started = time.monotonic()
     engine_still_works()
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.xfail(strict=True, reason="mpitrain/torch/optimizer.py: a gradient that "
+                   "fails to submit in backward leaves the others counted as in flight")
+@mpi_test(init=False)
+def test_an_optimizer_whose_backward_failed_can_start_over():
+    hvd.init()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    hvd.shutdown()
+    with pytest.raises(ValueError, match="init"):
+        model(torch.ones(1, 2)).sum().backward()     # the first hook fails
+    hvd.init()
+    try:
+        optimizer.zero_grad()
+    finally:
+        engine_still_works()
