@@ -6,6 +6,8 @@ ranks may submit in different orders. Out-of-place calls never modify their
 input; an input must not be modified while its operation is in flight.
 """
 
+import operator
+
 import numpy as np
 
 from mpitrain import arrays, basics, dtypes
@@ -46,25 +48,52 @@ def _as_array(value):
 
 
 def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
-             root=-1, output=None, splits=None):
-    """Build this rank's entry; a local argument error becomes a _Problem."""
+             root=-1, output=None, splits=None, average=None):
+    """Build this rank's entry; a local argument error becomes a _Problem.
+
+    The arguments arrive as the caller gave them, so that a bad one still
+    travels to the other ranks as the reason this operation failed.
+    """
     if type(array) is np.ndarray:
         backend = arrays.HOST
     else:
         array = arrays.as_array(array)
         backend = arrays.of(array)
     dtype = dtypes.lookup(array.dtype)
+    try:
+        op, prescale, postscale, root = _arguments(op, average, prescale, postscale, root)
+        problem = None
+    except _Problem as bad_argument:
+        op, prescale, postscale, root, problem = Sum, 1.0, 1.0, -1, bad_argument
     handle = Handle(name, kind, controller.rank, dtype, array.shape, op, prescale,
                     postscale, root, array, output, backend.device)
     if handle.device >= 0:
         handle.ready = backend.record_ready()
+    if problem is None:
+        try:
+            _check(controller, handle)
+            if kind == ALLTOALL:
+                handle.splits = _alltoall_splits(array, splits, controller.size)
+        except _Problem as bad_input:
+            problem = bad_input
+    return handle, problem
+
+
+def _arguments(op, average, prescale, postscale, root):
     try:
-        _check(controller, handle)
-        if kind == ALLTOALL:
-            handle.splits = _alltoall_splits(array, splits, controller.size)
-    except _Problem as problem:
-        return handle, problem
-    return handle, None
+        op = resolve_op(op, average)
+    except ValueError as error:
+        raise _Problem("value", str(error)) from None
+    try:
+        prescale, postscale = float(prescale), float(postscale)
+    except (TypeError, ValueError):
+        raise _Problem("value", "prescale_factor and postscale_factor must be numbers, "
+                                f"got {prescale!r} and {postscale!r}") from None
+    try:
+        root = operator.index(root)
+    except TypeError:
+        raise _Problem("value", f"root_rank must be a whole number, got {root!r}") from None
+    return op, prescale, postscale, root
 
 
 _NEEDS_A_DIMENSION = frozenset({ALLGATHER, ALLTOALL, REDUCESCATTER})
@@ -112,9 +141,11 @@ def _alltoall_splits(array, splits, size):
                                     f"dimension divisible by {size} ranks, got {rows}")
         return np.full(size, rows // size, dtype=np.int64)
     values = np.asarray(splits).reshape(-1)
-    if values.size != size or (values.size and values.min() < 0):
+    whole = values.size == size and np.issubdtype(values.dtype, np.number) \
+        and bool((values == np.round(values)).all())
+    if not whole or (values.size and values.min() < 0):
         raise _Problem("value", f"alltoall splits must be {size} non-negative "
-                                f"counts, one per rank, got {values.tolist()}")
+                                f"whole numbers, one per rank, got {values.tolist()}")
     if int(values.sum()) != rows:
         raise _Problem("value", f"alltoall splits {values.tolist()} add up to "
                                 f"{int(values.sum())}, but the first dimension is {rows}")
@@ -148,13 +179,13 @@ def _submit(engine, controller, prepared):
 
 
 def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, root=-1,
-         output=None, splits=None):
+         output=None, splits=None, average=None):
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
         name = controller.automatic_name(kind)
     handle, problem = _prepare(controller, kind, array, name, op, prescale, postscale,
-                               root, output, splits)
+                               root, output, splits, average)
     if problem is None:
         engine.enqueue(controller, handle)
         return handle
@@ -162,7 +193,7 @@ def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, ro
 
 
 def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
-           postscale=1.0):
+           postscale=1.0, average=None):
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
@@ -170,7 +201,7 @@ def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
     arrays = list(arrays)
     outputs = [None] * len(arrays) if outputs is None else list(outputs)
     prepared = [_prepare(controller, kind, array, f"{name}_{i}of{len(arrays)}", op,
-                         prescale, postscale, output=output)
+                         prescale, postscale, output=output, average=average)
                 for i, (array, output) in enumerate(zip(arrays, outputs))]
     return GroupHandle(_submit(engine, controller, prepared))
 
@@ -179,9 +210,8 @@ def allreduce_async(array, average=None, name=None, op=None, prescale_factor=1.0
                     postscale_factor=1.0, process_set=global_process_set, *,
                     output=None):
     """Start reducing ``array`` across the set; ``output`` receives it in place."""
-    return _one(ALLREDUCE, array, name, process_set,
-                op=resolve_op(op, average), prescale=float(prescale_factor),
-                postscale=float(postscale_factor), output=output)
+    return _one(ALLREDUCE, array, name, process_set, op, prescale_factor,
+                postscale_factor, output=output, average=average)
 
 
 def allreduce(array, average=None, name=None, op=None, prescale_factor=1.0,
@@ -193,9 +223,8 @@ def allreduce(array, average=None, name=None, op=None, prescale_factor=1.0,
 def grouped_allreduce_async(arrays, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set, *, outputs=None):
-    return _group(ALLREDUCE, arrays, name, process_set, outputs,
-                  op=resolve_op(op, average), prescale=float(prescale_factor),
-                  postscale=float(postscale_factor))
+    return _group(ALLREDUCE, arrays, name, process_set, outputs, op, prescale_factor,
+                  postscale_factor, average)
 
 
 def grouped_allreduce(arrays, average=None, name=None, op=None, prescale_factor=1.0,
@@ -225,19 +254,11 @@ def grouped_allgather(arrays, name=None, process_set=global_process_set):
 def broadcast_async(array, root_rank, name=None, process_set=global_process_set, *,
                     output=None):
     """Start sending ``array`` from ``root_rank`` (a rank of the set) to all."""
-    return _one(BROADCAST, array, name, process_set,
-                root=_rank_argument(root_rank), output=output)
+    return _one(BROADCAST, array, name, process_set, root=root_rank, output=output)
 
 
 def broadcast(array, root_rank, name=None, process_set=global_process_set):
     return synchronize(broadcast_async(array, root_rank, name, process_set))
-
-
-def _rank_argument(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"root_rank must be an integer rank, got {value!r}") from None
 
 
 def alltoall_async(array, splits=None, name=None, process_set=global_process_set):
@@ -252,9 +273,8 @@ def alltoall(array, splits=None, name=None, process_set=global_process_set):
 def reducescatter_async(array, op=Average, name=None, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     """Start reducing ``array`` and scattering its rows; low ranks get any extra row."""
-    return _one(REDUCESCATTER, array, name, process_set,
-                op=resolve_op(op, None), prescale=float(prescale_factor),
-                postscale=float(postscale_factor))
+    return _one(REDUCESCATTER, array, name, process_set, op, prescale_factor,
+                postscale_factor)
 
 
 def reducescatter(array, op=Average, name=None, process_set=global_process_set,
@@ -266,9 +286,8 @@ def reducescatter(array, op=Average, name=None, process_set=global_process_set,
 def grouped_reducescatter_async(arrays, op=Average, name=None,
                                 process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
-    return _group(REDUCESCATTER, arrays, name, process_set,
-                  op=resolve_op(op, None), prescale=float(prescale_factor),
-                  postscale=float(postscale_factor))
+    return _group(REDUCESCATTER, arrays, name, process_set, op=op,
+                  prescale=prescale_factor, postscale=postscale_factor)
 
 
 def grouped_reducescatter(arrays, op=Average, name=None,

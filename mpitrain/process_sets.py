@@ -1,5 +1,7 @@
 """Process sets: subsets of ranks with a communicator of their own."""
 
+from mpitrain.errors import not_initialized_error
+
 
 class ProcessSet:
     """A subset of the job's ranks that collectives can run on.
@@ -24,6 +26,8 @@ class ProcessSet:
         self._my_rank = None
 
     def _require_registered(self):
+        if self.process_set_id is None and self is global_process_set:
+            raise not_initialized_error()
         if self.process_set_id is None:
             raise ValueError(
                 f"{self!r} is not registered: pass it to init(process_sets=...) "

@@ -5,7 +5,6 @@ file tries each kind of bad input on every collective, checks the answer on
 every rank, and that the engine still works afterwards.
 """
 
-import functools
 import os
 import re
 import time
@@ -145,15 +144,13 @@ def test_alltoall_splits_that_do_not_fit_fail_on_every_rank():
     n = mt.size()
     rows = np.ones((n, 2))
     raises_everywhere(ValueError, "add up to", lambda: mt.alltoall(rows, splits=[n] * n))
-    raises_everywhere(ValueError, "non-negative counts, one per rank",
+    raises_everywhere(ValueError, "non-negative whole numbers, one per rank",
                       lambda: mt.alltoall(rows, splits=[-1] + [1] * (n - 2) + [2]))
     raises_everywhere(ValueError, "one per rank", lambda: mt.alltoall(rows, splits=[n]))
     raises_everywhere(ValueError, "divisible", lambda: mt.alltoall(np.ones((n + 1, 2))))
     engine_still_works()
 
 
-@pytest.mark.xfail(strict=True, reason="core: _alltoall_splits casts fractional "
-                   "splits to int after checking their sum (see docs/bad-input.md)")
 @mpi_test()
 def test_fractional_alltoall_splits_are_refused():
     n = mt.size()
@@ -278,21 +275,23 @@ def test_disagreements_that_end_in_the_stall_report():
         arrays, name="grouped"), "'grouped_0of3'", "stall")
     mt.shutdown()
 
-    # only rank 0 passes an argument that fails before its call is submitted
+
+
+@mpi_test()
+def test_an_argument_only_one_rank_gets_wrong_fails_every_rank_at_once():
+    """Rank 0 alone passes a bad op, root or scale: nobody waits for a stall."""
+    r = mt.rank()
     for name, problem, bad, good, call in [
             ("bad.op", "unknown reduction op", "sum", mt.Sum,
              lambda op, name: mt.allreduce(np.ones(2), op=op, name=name)),
-            ("bad.root", "must be an integer", "zero", 0,
-             lambda root, name: mt.broadcast(np.ones(2), root, name=name))]:
-        mt.init()
-        if r == 0:
-            with pytest.raises(ValueError, match=problem):
-                call(bad, name)
-            wait_until_the_job_stops()
-        else:
-            expect_everywhere(f"'{name}'", functools.partial(call, good, name), "rank 0")
-        mt.shutdown()
-    mt.init()
+            ("bad.root", "root_rank must be a whole number", "zero", 0,
+             lambda root, name: mt.broadcast(np.ones(2), root, name=name)),
+            ("bad.scale", "must be numbers", "half", 0.5,
+             lambda scale, name: mt.allreduce(np.ones(2), prescale_factor=scale,
+                                              name=name))]:
+        with pytest.raises(ValueError, match=problem) as caught:
+            call(bad if r == 0 else good, name)
+        assert f"'{name}'" in str(caught.value) and "rank 0" in str(caught.value)
     engine_still_works()
 
 
