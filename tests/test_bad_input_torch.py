@@ -91,8 +91,6 @@ def test_tensors_the_core_cannot_take_are_type_errors():
                            (torch.ones(2, device="meta"), r"\.cpu\(\)"),
                            (torch.ones(2).to_sparse(), "sparse_allreduce_async")]:
         for label, call in every_collective(value, "wrong.kind").items():
-            if isinstance(value, list) and "allgather" in label:
-                continue                   # the xfail test below
             with pytest.raises(TypeError, match=problem):
                 call()
     engine_still_works()
@@ -122,8 +120,6 @@ def test_zero_size_noncontiguous_and_scalar_tensors_give_the_right_answer():
     engine_still_works()
 
 
-@pytest.mark.xfail(strict=True, reason="mpitrain/torch/autograd.py: _Allgather.forward "
-                   "reads tensor.shape[0] before the input is checked")
 @mpi_test()
 def test_allgather_checks_its_input_before_reading_its_shape():
     raises_everywhere(ValueError, "got a scalar", lambda: hvd.allgather(torch.tensor(1.0)))

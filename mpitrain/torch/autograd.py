@@ -70,8 +70,9 @@ class _GroupedAllreduce(torch.autograd.Function):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        handle = ops.allgather_async(tensor, name, process_set)    # checks the input
         ctx.args = (tensor.shape[0], name, process_set)
-        return synchronize(ops.allgather_async(tensor, name, process_set))
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,8 +86,9 @@ class _Allgather(torch.autograd.Function):
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
+        handle = ops.grouped_allgather_async(tensors, name, process_set)  # checks them
         ctx.args = ([t.shape[0] for t in tensors], name, process_set)
-        return tuple(synchronize(ops.grouped_allgather_async(tensors, name, process_set)))
+        return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grads):
