@@ -258,8 +258,6 @@ def test_disagreements_that_end_in_the_stall_report():
     assert time.monotonic() - started < 5
 
 
-@pytest.mark.xfail(strict=True, reason="mpitrain/torch/optimizer.py: a gradient that "
-                   "fails to submit in backward leaves the others counted as in flight")
 @mpi_test(init=False)
 def test_an_optimizer_whose_backward_failed_can_start_over():
     hvd.init()

@@ -86,22 +86,12 @@ class _OptimizerHandler:
     def restore(self):
         self.optimizer.load_state_dict(copy.deepcopy(self.saved))
         if isinstance(self.optimizer, _DistributedOptimizer):
-            _forget_gradients_in_flight(self.optimizer)
+            # A step that failed between backward and step() left gradients in
+            # flight; the engine is stopped next, which fails their handles.
+            self.optimizer._start_over()
 
     def sync(self):
         broadcast_optimizer_state(self.optimizer, root_rank=0)
-
-
-def _forget_gradients_in_flight(optimizer):
-    """Drop what a failed step left behind: handles of an engine that has stopped.
-
-    A step that failed while backward was still submitting gradients leaves
-    them counted as in flight, and zero_grad() would refuse to run.
-    """
-    optimizer._pending.clear()
-    optimizer._passes_left = dict.fromkeys(optimizer._trained, optimizer._passes_per_step)
-    optimizer._group_arrived = dict.fromkeys(optimizer._group_arrived, 0)
-    optimizer._synchronized = False
 
 
 class _SamplerHandler:

@@ -13,13 +13,12 @@ import weakref
 import torch
 
 from mpitrain.errors import CollectiveNotImplementedError
-from mpitrain.handles import synchronize as wait_for
 from mpitrain.objects import broadcast_object
 from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.process_sets import global_process_set
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
-                                sparse_allreduce_async)
+                                sparse_allreduce_async, synchronize_all)
 
 
 class _DistributedOptimizer:
@@ -73,13 +72,20 @@ class _DistributedOptimizer:
         self._passes_left[p] -= 1
         if self._passes_left[p] > 0:
             return
-        group = self._group_of.get(p)
-        if group is None:
-            self._pending[p] = self._submit(p)
-            return
-        self._group_arrived[group] += 1
-        if self._group_arrived[group] == len(group):
-            self._pending[group] = self._submit_group(group)
+        try:
+            group = self._group_of.get(p)
+            if group is None:
+                self._pending[p] = self._submit(p)
+                return
+            self._group_arrived[group] += 1
+            if self._group_arrived[group] == len(group):
+                self._pending[group] = self._submit_group(group)
+        except Exception:
+            # Backward ends here: without this, the gradients submitted before
+            # would stay counted as in flight and zero_grad() would refuse forever.
+            self._wait_for_pending()
+            self._start_over()
+            raise
 
     # -- submissions -----------------------------------------------------------
 
@@ -134,23 +140,36 @@ class _DistributedOptimizer:
         if not self._process_set.included():
             self._synchronized = True
             return
+        errors = []
         for p in self._trained:
             unit = self._group_of.get(p, p)
             if unit not in self._pending:
-                self._pending[unit] = (self._submit_group(unit) if unit is not p
-                                       else self._submit(p))
-        errors = []
-        for handle, write_back in self._pending.values():
-            try:
-                write_back(wait_for(handle))
-            except Exception as error:      # wait for the rest: leave none in flight
-                errors.append(error)
-        self._pending.clear()
-        self._passes_left = dict.fromkeys(self._trained, self._passes_per_step)
-        self._group_arrived = dict.fromkeys(self._group_arrived, 0)
+                try:
+                    self._pending[unit] = (self._submit_group(unit) if unit is not p
+                                           else self._submit(p))
+                except Exception as error:  # submit the rest, so no peer waits for them
+                    errors.append(error)
+        errors += self._wait_for_pending()
+        self._start_over()
         if errors:
             raise errors[0]
         self._synchronized = True
+
+    def _wait_for_pending(self):
+        """Wait for every submitted reduction, write back its result; returns the errors."""
+        pending = list(self._pending.values())
+        results, errors = synchronize_all([handle for handle, _ in pending])
+        for (_, write_back), result in zip(pending, results):
+            if result is not None:
+                write_back(result)
+        return errors
+
+    def _start_over(self):
+        """Forget this step's gradients: none is counted as arrived or in flight."""
+        self._pending.clear()
+        self._passes_left = dict.fromkeys(self._trained, self._passes_per_step)
+        self._group_arrived = dict.fromkeys(self._group_arrived, 0)
+        self._synchronized = False
 
     @contextlib.contextmanager
     def skip_synchronize(self):
