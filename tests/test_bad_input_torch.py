@@ -172,17 +172,30 @@ def test_optimizer_helpers_with_models_that_differ_between_ranks():
     # the root's state cannot be loaded where the optimizer holds other parameters
     extra = [torch.nn.Parameter(torch.ones(3))] if r == 1 else []
     other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))] + extra, lr=0.1)
-    if r == 1:
-        with pytest.raises(ValueError, match="parameter group"):
-            hvd.broadcast_optimizer_state(other, root_rank=0)
-    else:
-        hvd.broadcast_optimizer_state(other, root_rank=0)
-    # Last: broadcast_parameters raises at the first failed tensor and leaves
-    # the others in flight a moment longer, so 'weight' must not be reused here.
+    raises_everywhere(ValueError, "rank 1: ValueError: .*parameter group",
+                      lambda: hvd.broadcast_optimizer_state(other, root_rank=0))
     wider = torch.nn.Linear(2, 2 + (r == 1))
     message = raises_everywhere(hvd.MismatchError, "shapes", lambda: hvd.broadcast_parameters(
         wider.state_dict(), root_rank=0))
     assert "'bias'" in message or "'weight'" in message
+    same = torch.nn.Linear(2, 2)            # 'weight' and 'bias' again, right away
+    hvd.broadcast_parameters(same.state_dict(), root_rank=0)
+    engine_still_works()
+
+
+@mpi_test()
+def test_a_failed_broadcast_parameters_leaves_no_name_in_flight():
+    r, n = hvd.rank(), hvd.size()
+    # Only rank 1 has a tensor that cannot travel, between two that can.
+    params = {"a": torch.full((2,), float(r)),
+              "b": torch.zeros(2, dtype=torch.bool if r == 1 else torch.float32),
+              "c": torch.full((3,), float(r))}
+    raises_everywhere(TypeError, "'b' failed on rank 1: unsupported dtype bool",
+                      lambda: hvd.broadcast_parameters(params, root_rank=0))
+    again = {"a": torch.full((2,), float(r)), "b": torch.full((2,), float(r)),
+             "c": torch.full((3,), float(r))}
+    hvd.broadcast_parameters(again, root_rank=n - 1)
+    assert all(torch.all(t == n - 1) for t in again.values())
     engine_still_works()
 
 

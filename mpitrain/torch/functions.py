@@ -1,9 +1,9 @@
 """Making every rank start from the same model and optimizer state."""
 
-from mpitrain.handles import synchronize
-from mpitrain.objects import broadcast_object
+from mpitrain.errors import CollectiveValueError
+from mpitrain.objects import allgather_object, broadcast_object
 from mpitrain.process_sets import global_process_set
-from mpitrain.torch.ops import broadcast_async_
+from mpitrain.torch.ops import broadcast_async_, synchronize_all
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):
@@ -17,10 +17,15 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
         items = sorted(params.items())
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    handles = [broadcast_async_(tensor, root_rank, name, process_set)
-               for name, tensor in items]
-    for handle in handles:
-        synchronize(handle)
+    handles, errors = [], []
+    for name, tensor in items:
+        try:
+            handles.append(broadcast_async_(tensor, root_rank, name, process_set))
+        except Exception as error:      # submit the rest, so no peer waits for them
+            errors.append(error)
+    errors += synchronize_all(handles)[1]
+    if errors:
+        raise errors[0]
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None,
@@ -29,10 +34,24 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
 
     Works for every torch.optim optimizer, including state that other ranks
     have not created yet: the whole state_dict travels from the root and is
-    loaded elsewhere. ``model`` is accepted for Horovod compatibility.
+    loaded elsewhere; if it cannot be loaded on some rank, every rank raises
+    CollectiveValueError naming those ranks. ``model`` is accepted for Horovod
+    compatibility.
     """
     is_root = process_set.rank() == root_rank
     state = broadcast_object(optimizer.state_dict() if is_root else None, root_rank,
                              "broadcast_optimizer_state", process_set)
+    failure = problem = None
     if not is_root:
-        optimizer.load_state_dict(state)
+        try:
+            optimizer.load_state_dict(state)
+        except Exception as error:          # whatever it is, every rank must hear it
+            failure, problem = error, f"{type(error).__name__}: {error}"
+    problems = allgather_object(problem, "broadcast_optimizer_state.loaded", process_set)
+    failed = [f"rank {rank}: {problem}" for rank, problem in enumerate(problems)
+              if problem]
+    if failed:
+        raise CollectiveValueError(
+            f"broadcast_optimizer_state could not load rank {root_rank}'s state on "
+            f"every rank (does every rank build the same optimizer?): "
+            f"{'; '.join(failed)}") from failure
