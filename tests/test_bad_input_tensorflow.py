@@ -91,9 +91,6 @@ def test_unsupported_dtypes_fail_on_every_rank_and_broadcast_moves_raw_bytes():
     engine_still_works()
 
 
-@pytest.mark.xfail(strict=True, reason="mpitrain/tensorflow/broadcast.py: a string "
-                   "tensor fails inside numpy with 'Cannot change data-type for array "
-                   "of references'")
 @mpi_test(env=TF_ENV, timeout=120)
 def test_a_string_broadcast_is_refused_clearly():
     raises_everywhere((TypeError, tf.errors.InvalidArgumentError), "string",

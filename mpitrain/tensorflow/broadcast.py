@@ -5,6 +5,7 @@ import tensorflow as tf
 
 import mpitrain as mt
 from mpitrain import dtypes
+from mpitrain.errors import CollectiveTypeError
 from mpitrain.ops import Sum
 from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
@@ -12,10 +13,25 @@ from mpitrain.tensorflow.primitives import reduce_dense
 
 
 def _movable(array):
-    """The array itself, or its raw bytes when the core has no such dtype (bool, uint32...)."""
-    if dtypes.lookup(array.dtype) is not None:
+    """The array itself, or its raw bytes when the core has no such dtype (bool, uint32...).
+
+    Strings (object arrays) have no raw bytes to move: they go as they are,
+    and the core refuses them on every rank.
+    """
+    if dtypes.lookup(array.dtype) is not None or array.dtype == object:
         return array
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _start(array, root_rank, name, process_set):
+    try:
+        return mt.broadcast_async(_movable(array), root_rank, name, process_set)
+    except CollectiveTypeError as error:
+        if array.dtype != object:
+            raise
+        raise CollectiveTypeError(
+            f"{error} (here a tf.string tensor: broadcast moves numbers and bools; "
+            "send strings with broadcast_object)") from None
 
 
 def send_from_root(tensors, root_rank, name, process_set):
@@ -25,8 +41,7 @@ def send_from_root(tensors, root_rank, name, process_set):
     def body(arrays):
         names = ([None] * len(arrays) if name is None else
                  [f"{name}_{i}of{len(arrays)}" for i in range(len(arrays))])
-        handles = [mt.broadcast_async(_movable(a), root_rank, n, process_set)
-                   for a, n in zip(arrays, names)]
+        handles = [_start(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
         return [mt.synchronize(h).view(a.dtype).reshape(a.shape)
                 for h, a in zip(handles, arrays)]
     return graph_op.run(body, tensors, [t.dtype for t in tensors],
