@@ -19,7 +19,10 @@ class GroupHandle:
         return all(h.done() for h in self.handles)
 
     def wait(self):
-        return [h.wait() for h in self.handles]
+        results, errors = synchronize_all(self.handles)
+        if errors:
+            raise errors[0]
+        return results
 
     def __repr__(self):
         return f"<mpitrain group of {len(self.handles)} handles>"
@@ -38,3 +41,20 @@ def poll(handle):
 def synchronize(handle):
     """Wait for ``handle`` and return its result, or raise its error."""
     return handle.wait()
+
+
+def synchronize_all(handles):
+    """Wait for every handle, even after one fails; returns (results, errors).
+
+    A failed handle's result is None. Raising at the first failure would
+    leave the rest in flight, and their names could not be submitted again
+    at once.
+    """
+    results, errors = [], []
+    for handle in handles:
+        try:
+            results.append(handle.wait())
+        except Exception as error:
+            results.append(None)
+            errors.append(error)
+    return results, errors

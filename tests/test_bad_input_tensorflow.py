@@ -155,9 +155,6 @@ def test_keras_models_that_differ_between_ranks_fail_on_every_rank():
     engine_still_works()
 
 
-@pytest.mark.xfail(strict=True, reason="mpitrain/process_sets.py: before init and "
-                   "after shutdown the job-wide set says it is not registered instead "
-                   "of asking for init()")
 @mpi_test(env=TF_ENV, timeout=120, init=False)
 def test_calls_before_init_and_after_shutdown_say_to_call_init():
     one_thread()

@@ -140,7 +140,7 @@ def test_backward_passes_per_step_aggregates_locally_then_applies_once():
     assert int(optimizer.iterations.numpy()) == steps
     # Two passes of BATCH rows on each rank make one global batch of
     # 2 * BATCH * size rows: this rank's rows of steps 0-1, then 2-3.
-    r, n = hvd.rank(), hvd.size()
+    n = hvd.size()
     by_step = x.reshape(steps, n, BATCH, 5), y.reshape(steps, n, BATCH, 2)
     ordered = [a.reshape(steps // passes, passes, n, BATCH, -1).transpose(0, 2, 1, 3, 4)
                .reshape(steps * n * BATCH, -1) for a in by_step]

@@ -6,6 +6,7 @@ import tensorflow as tf
 import mpitrain as mt
 from mpitrain import dtypes
 from mpitrain.errors import CollectiveTypeError
+from mpitrain.handles import synchronize_all
 from mpitrain.ops import Sum
 from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
@@ -42,8 +43,10 @@ def send_from_root(tensors, root_rank, name, process_set):
         names = ([None] * len(arrays) if name is None else
                  [f"{name}_{i}of{len(arrays)}" for i in range(len(arrays))])
         handles = [_start(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
-        return [mt.synchronize(h).view(a.dtype).reshape(a.shape)
-                for h, a in zip(handles, arrays)]
+        results, errors = synchronize_all(handles)     # none left in flight on failure
+        if errors:
+            raise errors[0]
+        return [r.view(a.dtype).reshape(a.shape) for r, a in zip(results, arrays)]
     return graph_op.run(body, tensors, [t.dtype for t in tensors],
                         [t.shape for t in tensors], "broadcast")
 

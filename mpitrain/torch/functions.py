@@ -1,9 +1,10 @@
 """Making every rank start from the same model and optimizer state."""
 
 from mpitrain.errors import CollectiveValueError
+from mpitrain.handles import synchronize_all
 from mpitrain.objects import allgather_object, broadcast_object
 from mpitrain.process_sets import global_process_set
-from mpitrain.torch.ops import broadcast_async_, synchronize_all
+from mpitrain.torch.ops import broadcast_async_
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):

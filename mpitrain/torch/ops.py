@@ -144,23 +144,6 @@ def grouped_reducescatter_async(tensors, name=None, op=Average,
     return TensorHandle(handle, _as_tensors)
 
 
-def synchronize_all(handles):
-    """Wait for every handle, even after one fails; returns (results, errors).
-
-    A failed handle's result is None. Raising at the first failure would
-    leave the rest in flight, and their names could not be submitted again
-    at once.
-    """
-    results, errors = [], []
-    for handle in handles:
-        try:
-            results.append(synchronize(handle))
-        except Exception as error:
-            results.append(None)
-            errors.append(error)
-    return results, errors
-
-
 def join(device=-1):
     """Declare this rank out of data; returns the rank that joined last.
 

@@ -13,12 +13,13 @@ import weakref
 import torch
 
 from mpitrain.errors import CollectiveNotImplementedError
+from mpitrain.handles import synchronize_all
 from mpitrain.objects import broadcast_object
 from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.process_sets import global_process_set
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
-                                sparse_allreduce_async, synchronize_all)
+                                sparse_allreduce_async)
 
 
 class _DistributedOptimizer:
