@@ -44,6 +44,16 @@ class Channel:
         """The control round: always non-blocking, so an idle rank can sleep."""
         yield self.comm.Iallreduce(MPI.IN_PLACE, vector, MPI.BAND)
 
+    def arrive(self):
+        """Before blocking calls: wait, sleeping, until every rank is about to make them.
+
+        A round completes for the rank that joined it last at once, but for an
+        early rank only when it next wakes; without this, the late rank would
+        spin in the blocking call for that long, on its training thread's core.
+        """
+        if self.blocking:
+            yield self.comm.Ibarrier()
+
     def allreduce(self, buffer, op, each=None):
         """Reduce a 1-D buffer in place, in chunks of about chunk_size bytes.
 

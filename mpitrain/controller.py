@@ -26,6 +26,8 @@ from mpitrain.ops import OpType
 from mpitrain.stall import StallInspector
 
 ALLREDUCE, JOIN = OpType.ALLREDUCE, OpType.JOIN
+_MOVES_DATA = frozenset({OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST,
+                         OpType.ALLTOALL, OpType.REDUCESCATTER})
 HEARTBEAT = 1.0          # seconds between rounds of an idle rank
 MAX_PAUSE = 0.01         # longest pause between rounds of a rank with work
 SPIN = 50e-6             # seconds to test a fresh request before sleeping on it
@@ -198,6 +200,8 @@ class SetController:
         self.progressed = bool(groups)
         if groups:
             self.last_progress = time.monotonic()
+            if any(group.responses[0].kind in _MOVES_DATA for group in groups):
+                yield from self.channel.arrive()
             yield from self._execute(groups)
             if self.tuner:
                 reduced = [g for g in groups if g.nbytes]      # allreduces only
