@@ -11,6 +11,9 @@ same processes and run in turn, step after step:
 A step is zero_grad, forward, backward and optimizer step, timed on the
 slowest rank; the figures are medians. The ddp and mpitrain models start
 equal and see the same batches, so they must end with the same parameters.
+A fourth measurement, taken in turn with the others, averages the same
+gradients with mpitrain alone (no compute), so the share of communication
+hidden behind backward is 1 - (mpitrain - none) / (allreduce alone).
 """
 
 import argparse
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel
 
+import mpitrain as mt
 import mpitrain.torch as hvd
 
 BATCH, INPUTS, WIDTH, DEPTH, CLASSES = 64, 1024, 2048, 5, 10
@@ -64,16 +68,23 @@ def sgd(model):
 
 
 def make_modes(base):
-    models = {name: copy.deepcopy(base) for name in ("none", "ddp", "mpitrain")}
-    ddp = DistributedDataParallel(models["ddp"])
+    """none, ddp, mpitrain (overlap chosen for this machine), and mpitrain with
+    the other choice, so the figures show what the choice is worth."""
+    models = {name: copy.deepcopy(base) for name in ("none", "ddp", "mpitrain", "other")}
+    chosen = hvd.DistributedOptimizer(
+        sgd(models["mpitrain"]), named_parameters=models["mpitrain"].named_parameters())
+    other = f"mpitrain, overlap={not chosen._overlap}"
     optimizers = {
         "none": sgd(models["none"]),
         "ddp": sgd(models["ddp"]),
-        "mpitrain": hvd.DistributedOptimizer(
-            sgd(models["mpitrain"]),
-            named_parameters=models["mpitrain"].named_parameters()),
+        "mpitrain": chosen,
+        other: hvd.DistributedOptimizer(
+            sgd(models["other"]), overlap=not chosen._overlap,
+            named_parameters=[(f"other.{n}", p)
+                              for n, p in models["other"].named_parameters()]),
     }
-    forward = {"none": models["none"], "ddp": ddp, "mpitrain": models["mpitrain"]}
+    forward = {"none": models["none"], "ddp": DistributedDataParallel(models["ddp"]),
+               "mpitrain": models["mpitrain"], other: models["other"]}
     return models, forward, optimizers
 
 
@@ -82,6 +93,18 @@ def train_step(forward, optimizer, inputs, labels):
     loss = torch.nn.functional.cross_entropy(forward(inputs), labels)
     loss.backward()
     optimizer.step()
+
+
+def allreduce_alone(model):
+    """Average the model's gradients in place, as DistributedOptimizer does."""
+    gradients = [p.grad.numpy() for p in model.parameters()]
+
+    def run():
+        handles = [mt.allreduce_async(g, name=f"alone.{i}", output=g)
+                   for i, g in enumerate(gradients)]
+        for handle in handles:
+            mt.synchronize(handle)
+    return run
 
 
 def max_difference(a, b):
@@ -102,10 +125,11 @@ def main():
     base = build_model()
     models, forward, optimizers = make_modes(base)
     modes = list(forward)
-    times = {name: [] for name in modes}
+    times = {name: [] for name in modes + ["allreduce alone"]}
+    communicate = None
     for step in range(args.warmup + args.steps):
         inputs, labels = batch(step, world.rank)
-        order = modes[step % 3:] + modes[:step % 3]
+        order = modes[step % len(modes):] + modes[:step % len(modes)]
         for name in order:
             world.Barrier()
             start = time.perf_counter()
@@ -113,6 +137,13 @@ def main():
             elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
             if step >= args.warmup:
                 times[name].append(elapsed)
+        communicate = communicate or allreduce_alone(models["none"])
+        world.Barrier()
+        start = time.perf_counter()
+        communicate()
+        elapsed = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        if step >= args.warmup:
+            times["allreduce alone"].append(elapsed)
     difference = world.allreduce(max_difference(models["ddp"], models["mpitrain"]),
                                  op=MPI.MAX)
     medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}
@@ -121,8 +152,17 @@ def main():
         print(f"train step of a {count / 1e6:.1f}M-parameter MLP, batch {BATCH} per "
               f"rank, {world.size} ranks, 1 thread each; medians of {args.steps} "
               "alternated steps (slowest rank)")
+        overlap = optimizers["mpitrain"]._overlap
         for name in modes:
-            print(f"  {name:<9} {medians[name]:7.1f} ms")
+            label = f"mpitrain (overlap={overlap})" if name == "mpitrain" else name
+            print(f"  {label:<25} {medians[name]:7.1f} ms")
+        alone = medians["allreduce alone"]
+        print(f"  averaging the gradients alone takes {alone:.1f} ms; hidden behind "
+              "backward:")
+        for name in modes[2:]:
+            added = medians[name] - medians["none"]
+            hidden = min(1.0, max(0.0, 1 - added / alone))
+            print(f"    {name}: the step adds {added:.1f} ms, {hidden:.0%} of it hidden")
         print(f"  mpitrain / ddp  = {medians['mpitrain'] / medians['ddp']:.2f}")
         print(f"  mpitrain / none = {medians['mpitrain'] / medians['none']:.2f}   "
               f"ddp / none = {medians['ddp'] / medians['none']:.2f}")

@@ -319,3 +319,24 @@ def test_a_process_set_averages_among_its_members_only():
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), alone.parameters()))
     finally:
         hvd.remove_process_set(pair)
+
+
+@mpi_test()
+def test_overlap_sends_during_backward_and_without_it_step_sends_everything():
+    results = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(
+            sgd(model.parameters()), overlap=overlap,
+            named_parameters=[(f"{overlap}.{n}", p) for n, p in model.named_parameters()])
+        for step in range(3):
+            optimizer.zero_grad()
+            x, y = batch(step, ROWS)
+            F.mse_loss(model(x), y).backward()
+            assert bool(optimizer._pending) == overlap     # in flight before step()
+            optimizer.step()
+        assert_identical_across_ranks(model)
+        results[overlap] = [p.detach().clone() for p in model.parameters()]
+    for with_overlap, without in zip(results[True], results[False]):
+        assert torch.equal(with_overlap, without)

@@ -7,6 +7,7 @@ waits for every submission, then steps the wrapped optimizer.
 """
 
 import contextlib
+import os
 import warnings
 import weakref
 
@@ -27,7 +28,7 @@ class _DistributedOptimizer:
 
     def _start_distributing(self, named_parameters, compression,
                             backward_passes_per_step, op, gradient_predivide_factor,
-                            groups, sparse_as_dense, process_set):
+                            groups, sparse_as_dense, process_set, overlap):
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -41,6 +42,8 @@ class _DistributedOptimizer:
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
+        self._overlap = (_communication_can_overlap(self._trained) if overlap is None
+                         else bool(overlap))
         self._passes_left = {p: backward_passes_per_step for p in self._trained}
         self._group_of = _form_groups(self._trained, groups, self._names, process_set)
         self._group_arrived = dict.fromkeys(set(self._group_of.values()), 0)
@@ -71,8 +74,8 @@ class _DistributedOptimizer:
                 "step(). Increase backward_passes_per_step to accumulate gradients "
                 "locally.")
         self._passes_left[p] -= 1
-        if self._passes_left[p] > 0:
-            return
+        if self._passes_left[p] > 0 or not self._overlap:
+            return                      # without overlap, step() submits them all
         try:
             group = self._group_of.get(p)
             if group is None:
@@ -292,11 +295,30 @@ def _form_groups(trained, groups, names, process_set):
     return {p: group for group in formed if group for p in group}
 
 
+def _communication_can_overlap(parameters):
+    """Does reducing gradients during backward pay here?
+
+    Only when the engine's MPI work does not take the training thread's
+    core: with gradients on a GPU, or with more cores for this process than
+    torch computes with. Otherwise (one core per rank) the two slow each
+    other down, and reducing everything in step() is faster (measured with
+    benchmarks/train_step.py on 2 ranks with a core each: 128-135 ms against
+    141-147 ms per step).
+    """
+    if any(p.device.type != "cpu" for p in parameters):
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # no affinity query on this system
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
+
+
 def DistributedOptimizer(optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0,
                          groups=None, sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set, overlap=None):
     """Wrap ``optimizer`` so that step() uses gradients averaged across ranks.
 
     The result is an instance of the wrapped optimizer's class and shares its
@@ -315,6 +337,10 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     sparse_as_dense: reduce sparse gradients as dense tensors; otherwise their
         indices and values are gathered from every rank.
     process_set: the ranks that average their gradients.
+    overlap: reduce each gradient as soon as backward produces it (True), or
+        all of them in step() (False). None chooses: overlap where the
+        gradients are on a GPU or the process has a core more than torch's
+        threads, since on a shared core overlapping is slower.
     """
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer")
@@ -342,7 +368,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     distributed._start_distributing(named_parameters, compression,
                                     backward_passes_per_step, op,
                                     gradient_predivide_factor, groups,
-                                    sparse_as_dense, process_set)
+                                    sparse_as_dense, process_set, overlap)
     return distributed
 
 
