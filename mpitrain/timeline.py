@@ -70,8 +70,10 @@ class Timeline:
             if not events or self._fd is None:
                 return
             body = "".join(",\n" + json.dumps(e) for e in events)
-            data = (body + "\n]").encode()
-            os.pwrite(self._fd, data, self._end)
+            data = memoryview((body + "\n]").encode())
+            written = 0
+            while written < len(data):      # a large write may come back short
+                written += os.pwrite(self._fd, data[written:], self._end + written)
             self._end += len(data) - 1
 
     def close(self):
