@@ -226,7 +226,8 @@ def test_an_optimizer_used_without_a_running_mpitrain_asks_for_init():
     with pytest.raises(ValueError, match=r"call mpitrain.init\(\)"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     hvd.init()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         overlap=True)
     hvd.shutdown()
     with pytest.raises(ValueError, match=r"call mpitrain.init\(\)"):
         model(torch.ones(1, 2)).sum().backward()     # the hooks submit gradients
@@ -274,7 +275,8 @@ def test_an_optimizer_whose_backward_failed_can_start_over():
     hvd.init()
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())
+                                         named_parameters=model.named_parameters(),
+                                         overlap=True)
     hvd.shutdown()
     with pytest.raises(ValueError, match="init"):
         model(torch.ones(1, 2)).sum().backward()     # the first hook fails
