@@ -88,9 +88,27 @@ def run_mpi(nprocs, args, env=(), timeout=60):
         out, err = process.communicate(timeout=timeout)
         return subprocess.CompletedProcess(command, process.returncode, out, err)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
+        kill_session(process.pid)
         out, err = process.communicate()
         return subprocess.CompletedProcess(command, None, out, err)
+
+
+def kill_session(session):
+    """SIGKILL every process of a session: mpirun's ranks run in process
+    groups of their own, so killing mpirun's group would leave them running."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:        # state, ppid, pgrp, session
+            try:
+                os.kill(int(entry), 9)
+            except ProcessLookupError:
+                pass
 
 
 class Jobs:
