@@ -199,10 +199,12 @@ def main():
     args = parser.parse_args()
     mt.init()
     world = MPI.COMM_WORLD.Dup()
+    mt.allreduce(np.ones(1), name="warm.up")
+    # Before gloo starts: its threads would count as well.
+    idle = world.allreduce(idle_share(args.idle_seconds), op=MPI.MAX)
     gloo_for = None if args.no_sweep else start_gloo(world)
     target_rows = targets(world, args.repetitions)
     sweep_rows = [] if args.no_sweep else sweep(world, args.repetitions, gloo_for)
-    idle = world.allreduce(idle_share(args.idle_seconds), op=MPI.MAX)
     if world.rank == 0:
         if sweep_rows:
             report(world, target_rows, sweep_rows, idle, args.out)
