@@ -13,7 +13,9 @@ Sections:
            buffer; and 200 tensors of 16 KiB against one Allreduce of 3.2 MB;
   sweep    bus bandwidth against message size for one tensor (mpitrain, raw
            mpi4py, gloo) and for the same bytes split like a model (mpitrain);
-  idle     the CPU share of an idle rank over 10 s.
+  idle     the CPU share of an idle rank over 10 s;
+  memory   resident memory of a rank across 1000 steps of both target sets,
+           counted from step 100 (allocations per step would show as growth).
 With --out, also writes allreduce.md (tables) and allreduce.png (plot).
 """
 
@@ -108,6 +110,32 @@ def idle_share(seconds):
     return (usage.ru_utime + usage.ru_stime - before) / (time.monotonic() - start)
 
 
+def resident_kib():
+    """This process's resident set now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def memory_growth(world, steps):
+    """KiB the busiest rank's resident set grew from step steps/10 to the end."""
+    step_fns = [mpitrain_in_place(model_like(64 * MiB), "memory.model"),
+                mpitrain_in_place([np.ones(4096, np.float32) for _ in range(200)],
+                                  "memory.small")]
+    before = None
+    for step in range(steps):
+        if step == steps // 10:
+            before = resident_kib()
+        for fn in step_fns:
+            fn()
+    return world.allreduce(resident_kib() - before, op=MPI.MAX)
+
+
 def targets(world, repetitions):
     model = model_like(64 * MiB)
     small = [np.ones(4096, np.float32) for _ in range(200)]
@@ -140,7 +168,13 @@ def sweep(world, repetitions, gloo_for):
     return rows
 
 
-def report(world, target_rows, sweep_rows, idle, out):
+def health(idle, idle_seconds, growth, steps):
+    return [f"Idle engine: {idle:.2%} of a core (busiest rank, {idle_seconds:g} s).",
+            f"Resident memory over steps {steps // 10}-{steps} of both target sets: "
+            f"{growth:+d} KiB (busiest rank)."]
+
+
+def report(world, target_rows, sweep_rows, footer, out):
     size = world.size
     lines = [f"Ranks: {size} ({os.cpu_count()} cores"
              + (", oversubscribed" if size > (os.cpu_count() or 1) else "") + "); "
@@ -158,7 +192,7 @@ def report(world, target_rows, sweep_rows, idle, out):
                  for t in result.values()]
         label = f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", f"Idle engine: {idle:.2%} of a core (busiest rank, 10 s)."]
+    lines += [""] + footer
     text = "\n".join(lines)
     print(text)
     if out:
@@ -194,6 +228,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repetitions", type=int, default=21)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--memory-steps", type=int, default=1000)
     parser.add_argument("--no-sweep", action="store_true", help="only the targets")
     parser.add_argument("--out", help="directory for allreduce.md and allreduce.png")
     args = parser.parse_args()
@@ -205,18 +240,20 @@ def main():
     gloo_for = None if args.no_sweep else start_gloo(world)
     target_rows = targets(world, args.repetitions)
     sweep_rows = [] if args.no_sweep else sweep(world, args.repetitions, gloo_for)
+    growth = memory_growth(world, args.memory_steps)
+    footer = health(idle, args.idle_seconds, growth, args.memory_steps)
     if world.rank == 0:
         if sweep_rows:
-            report(world, target_rows, sweep_rows, idle, args.out)
+            report(world, target_rows, sweep_rows, footer, args.out)
         else:
-            report_targets_only(target_rows, idle)
+            report_targets_only(target_rows, footer)
 
 
-def report_targets_only(target_rows, idle):
+def report_targets_only(target_rows, footer):
     for label, baseline, ours, theirs in target_rows:
         print(f"{label:<28} mpitrain {ours * 1e3:8.2f} ms   raw {theirs * 1e3:8.2f} ms "
               f"({baseline})   {ours / theirs:5.2f}x")
-    print(f"idle engine: {idle:.2%} of a core")
+    print("\n".join(footer))
 
 
 if __name__ == "__main__":
