@@ -51,9 +51,9 @@ def init(comm=None, process_sets=None):
         global_process_set._attach(0, topo.rank)
         engine.add_set(0, global_process_set.ranks, topo.comm)
         sets = {0: global_process_set}
-        for set_id, process_set in enumerate(static, start=1):
-            engine.add_set(set_id, process_set.ranks,
-                           create_communicator(topo.comm, process_set.ranks))
+        for set_id, (ranks, process_set) in enumerate(static, start=1):
+            engine.add_set(set_id, ranks, create_communicator(topo.comm, ranks))
+            process_set = process_set or ProcessSet(ranks)
             process_set._attach(set_id, topo.rank)
             sets[set_id] = process_set
         engine.start()
@@ -64,22 +64,60 @@ def init(comm=None, process_sets=None):
 
 
 def _static_sets(process_sets, topo):
+    """The sets to register at init: (ranks, this rank's ProcessSet or None).
+
+    Every rank names the same sets, except where a set comes from an mpi4py
+    communicator: there each rank may name its own part of a partition, and
+    every part is registered, in the order of the ranks that named it.
+    """
     if process_sets is None or process_sets == "dynamic":
         return []
-    static = [p if isinstance(p, ProcessSet) else ProcessSet(p) for p in process_sets]
-    seen = [tuple(range(topo.size))]
-    for process_set in static:
-        _check_ranks(process_set.ranks, topo.size)
-        if tuple(process_set.ranks) in seen:
-            raise ValueError(f"init(process_sets=...): {process_set.ranks} is "
-                             "registered twice (the job-wide set has every rank)")
-        seen.append(tuple(process_set.ranks))
-    everyone = topo.comm.allgather(seen)
-    if any(other != seen for other in everyone):
+    try:
+        static = [p if isinstance(p, ProcessSet) else ProcessSet(p) for p in process_sets]
+        for process_set in static:
+            process_set._resolve(topo.comm)
+            _check_ranks(process_set.ranks, topo.size)
+        named, problem = [(tuple(p.ranks), p.mpi_comm is not None) for p in static], ""
+    except (TypeError, ValueError) as error:
+        named, problem = [], str(error)
+    # Every rank learns every rank's sets, and any rank's problem, so that
+    # all raise together rather than some waiting in the next collective.
+    gathered = topo.comm.allgather((named, problem))
+    problems = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(gathered)
+                if problem]
+    if problems:
+        raise ValueError("init(process_sets=...) failed on " + "; ".join(problems))
+    everyone = [sets for sets, _ in gathered]
+    if any(len(other) != len(named) for other in everyone) \
+            or not all(_agree(everyone, position) for position in range(len(named))):
         raise ValueError(
-            "init(process_sets=...) must list the same sets on every rank; got "
-            + "; ".join(f"rank {r}: {s[1:]}" for r, s in enumerate(everyone)))
-    return static
+            "init(process_sets=...) must list the same sets on every rank (or, "
+            "from communicators, parts that agree on who is in them); got "
+            + "; ".join(f"rank {r}: {[list(ranks) for ranks, _ in sets]}"
+                        for r, sets in enumerate(everyone)))
+    registered, seen = [], {tuple(range(topo.size))}
+    for position, process_set in enumerate(static):
+        for ranks in dict.fromkeys(other[position][0] for other in everyone):
+            if ranks in seen:
+                raise ValueError(f"init(process_sets=...): {list(ranks)} is "
+                                 "registered twice (the job-wide set has every rank)")
+            seen.add(ranks)
+            mine = ranks == tuple(process_set.ranks)
+            registered.append((list(ranks), process_set if mine else None))
+    return registered
+
+
+def _agree(everyone, position):
+    """Do the ranks agree on the sets at ``position``?
+
+    Lists of ranks must be identical everywhere. A set from a communicator
+    must be named identically by each of its members.
+    """
+    if not all(other[position][1] for other in everyone):
+        return all(other[position] == everyone[0][position] for other in everyone)
+    return all(everyone[member][position] == everyone[rank][position]
+               for rank in range(len(everyone))
+               for member in everyone[rank][position][0])
 
 
 def _check_ranks(ranks, size):
@@ -235,7 +273,11 @@ def add_process_set(process_set):
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
-    problem = _ranks_problem(process_set.ranks, _state.topology.size)
+    try:
+        process_set._resolve(_state.topology.comm)
+        problem = _ranks_problem(process_set.ranks, _state.topology.size)
+    except ValueError as error:      # reported by every rank, not only here
+        problem = str(error)
     for existing in _state.sets.values():
         if existing.ranks == process_set.ranks:
             problem = (f"a process set with ranks {process_set.ranks} is "

@@ -29,6 +29,46 @@ def test_static_sets_from_init():
     mt.shutdown()
 
 
+@mpi_test(init=False)
+def test_sets_from_the_parts_of_an_mpi4py_split():
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    part = world.Split(color=world.rank % 2, key=world.rank)
+    mine = mt.ProcessSet(part)
+    mt.init(process_sets=[mine])
+    r, n = mt.rank(), mt.size()
+    members = [k for k in range(n) if k % 2 == r % 2]
+    assert mine.ranks == members and mine.rank() == members.index(r)
+    got = mt.allreduce(np.full(2, float(r)), op=mt.Sum, process_set=mine, name="part")
+    np.testing.assert_array_equal(got, [sum(members)] * 2)
+    # Every part is registered on every rank, in the order of the ranks.
+    assert mine.process_set_id == 1 + r % 2
+    with pytest.raises(ValueError, match="already registered"):
+        mt.add_process_set([k for k in range(n) if k % 2 != r % 2] or [0])
+    mt.shutdown()
+    part.Free()
+
+
+@mpi_test(np=(3,), init=False)
+def test_sets_that_disagree_or_do_not_fit_fail_init_on_every_rank():
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    evens_and_odds = world.Split(color=world.rank % 2)       # [0, 2] and [1]
+    low_and_high = world.Split(color=int(world.rank == 2))   # [0, 1] and [2]
+    part = evens_and_odds if world.rank == 0 else low_and_high
+    with pytest.raises(ValueError, match=r"agree on who is in them.*rank 0: \[\[0, 2\]\]"):
+        mt.init(process_sets=[mt.ProcessSet(part)])
+    assert not mt.is_initialized()
+    beyond_the_job = [0, 99] if world.rank == 0 else [0, 1]
+    with pytest.raises(ValueError, match="failed on rank 0: .*beyond the job's 3 ranks"):
+        mt.init(process_sets=[beyond_the_job])
+    assert not mt.is_initialized()
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        mt.ProcessSet(MPI.COMM_NULL)
+    evens_and_odds.Free()
+    low_and_high.Free()
+
+
 @mpi_test(np=(3,))
 def test_dynamic_add_use_and_remove():
     r, n = mt.rank(), mt.size()
