@@ -51,7 +51,7 @@ class SetController:
                             else config.stall_check_time)
         self.cache = ResponseCache(config.cache_capacity)
         self.coordinator = Coordinator(self.size) if self.rank == 0 else None
-        self.stall = StallInspector(config, ranks) if self.rank == 0 else None
+        self.stall = StallInspector(config, set_id, ranks) if self.rank == 0 else None
         self.tuner = (Autotuner(config, time.monotonic())
                       if config.autotune and blocking and self.rank == 0 else None)
         self.buffers = fusion.FusionBuffers()

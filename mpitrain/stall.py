@@ -8,7 +8,9 @@ _NAMES_PER_RANK = 6
 
 
 class StallInspector:
-    def __init__(self, config, global_ranks):
+    def __init__(self, config, set_id, global_ranks):
+        self.where = ("" if set_id == 0 else
+                      f" on process set {set_id} (ranks {list(global_ranks)})")
         self.disabled = config.stall_check_disable
         self.warn_after = config.stall_check_time
         self.shutdown_after = config.stall_shutdown_time
@@ -44,7 +46,7 @@ class StallInspector:
                 if rank not in present and rank not in joined:
                     missing.setdefault(rank, []).append(name)
         lines = [
-            f"stall: operations have waited more than {threshold:g} s for other "
+            f"stall: operations{self.where} have waited more than {threshold:g} s for other "
             f"ranks; {consequence}. Usually some ranks submitted different "
             "tensor names, or stopped submitting (an exception, a different "
             "number of steps, a data-dependent branch). Missing ranks:"]
