@@ -264,3 +264,39 @@ def test_fit_with_embedding_gradients_sparse_and_densified():
             keras.optimizers.SGD(0.1), sparse_as_dense=sparse_as_dense), loss="mse")
         trained.fit(ids[r::n], y[r::n], batch_size=8, epochs=2, shuffle=False, verbose=0)
         assert_close(trained.get_weights(), reference.get_weights())
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_local_layers_keep_their_own_gradients_in_a_tape_and_in_fit():
+    one_thread()
+    n = hvd.size()
+    x, y = dataset(1)
+    xs, ys = shard(x, 1), shard(y, 1)
+    model = make_model(0)
+    local_layer = model.layers[-1]
+    local = [id(v) for v in local_layer.trainable_weights]
+    mse = keras.losses.MeanSquaredError()
+    with tf.GradientTape() as tape:
+        loss = mse(ys, model(xs))
+    own = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    everyone = hvd.allgather_object(own)
+    expected = [own[i] / n if id(v) in local else
+                np.mean([grads[i] for grads in everyone], axis=0)
+                for i, v in enumerate(model.trainable_variables)]
+    assert not np.allclose(own[-1], everyone[(hvd.rank() + 1) % n][-1])
+
+    with tf.GradientTape() as tape:
+        loss = mse(ys, model(xs))
+    partial = hvd_tf.PartialDistributedGradientTape(tape, local_layers=[local_layer])
+    assert_close([g.numpy() for g in partial.gradient(loss, model.trainable_variables)],
+                 expected)
+
+    before = [v.numpy() for v in model.trainable_variables]
+    optimizer = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                local_layers=local_layer)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(xs, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_close([v.numpy() for v in model.trainable_variables],
+                 [w - 0.1 * g for w, g in zip(before, expected)])
+    with pytest.raises(ValueError, match="local_layers must be Keras layers"):
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=["dense"])

@@ -18,6 +18,7 @@ from mpitrain.tensorflow.alltoall import alltoall
 from mpitrain.tensorflow.broadcast import broadcast, broadcast_, broadcast_variables
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.errors import MismatchError
-from mpitrain.tensorflow.gradient_tape import DistributedGradientTape
+from mpitrain.tensorflow.gradient_tape import (
+    DistributedGradientTape, PartialDistributedGradientTape)
 from mpitrain.tensorflow.graph_op import XlaNotSupportedError
 from mpitrain.tensorflow.reducescatter import grouped_reducescatter, reducescatter

@@ -23,7 +23,7 @@ class GradientReducer:
 
     def __init__(self, compression=Compression.none, sparse_as_dense=False, op=Average,
                  gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                 process_set=global_process_set):
+                 process_set=global_process_set, scale_local_gradients=True):
         op = ReduceOp(op)
         if op == Adasum:
             raise NotImplementedError("op=Adasum is not implemented in mpitrain; "
@@ -46,14 +46,27 @@ class GradientReducer:
         self.groups = groups
         self.process_set = process_set
         self.packed = PackedReducer()
+        self.local = set()        # ids of variables whose gradients stay on this rank
+        self.scale_local = scale_local_gradients
+
+    def register_local(self, variable):
+        """Keep ``variable``'s gradient local (divided by the set's size when
+        scale_local_gradients), wherever reduce() is given the variables."""
+        self.local.add(id(variable))
 
     def reduce(self, gradients, variables=None):
-        """The reduced gradients, in order; ``variables`` matter only for groups."""
+        """The reduced gradients, in order; ``variables`` tell groups and local ones."""
         gradients = list(gradients)
         results = list(gradients)
+        local = ([id(v) in self.local for v in variables] if self.local and variables
+                 else [False] * len(gradients))
         dense = []
         for i, gradient in enumerate(gradients):
             if gradient is None:
+                continue
+            if local[i]:
+                if self.scale_local:
+                    results[i] = gradient / self.process_set.size()
                 continue
             if isinstance(gradient, tf.IndexedSlices) and not self.sparse_as_dense:
                 # Gathered slices are never summed, so the predivide factor,
@@ -109,3 +122,16 @@ class GradientReducer:
         for i in indices:
             split[group_of.get(id(variables[i]), len(self.groups))].append(i)
         return [members for members in split if members]
+
+
+def local_weights(local_layers):
+    """The trainable weights of a Keras layer or a list of them (None: none)."""
+    if local_layers is None:
+        return []
+    if not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    not_layers = [layer for layer in local_layers if not hasattr(layer, "trainable_weights")]
+    if not_layers:
+        raise ValueError("local_layers must be Keras layers (objects with "
+                         f"trainable_weights), got {not_layers!r}")
+    return [weight for layer in local_layers for weight in layer.trainable_weights]

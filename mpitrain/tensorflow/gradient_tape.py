@@ -5,7 +5,7 @@ import tensorflow as tf
 from mpitrain.ops import Average
 from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow.compression import Compression
-from mpitrain.tensorflow.gradient_reduction import GradientReducer
+from mpitrain.tensorflow.gradient_reduction import GradientReducer, local_weights
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -15,24 +15,13 @@ class _DistributedGradientTape(tf.GradientTape):
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         gradients = super(self.__class__, self).gradient(
             target, sources, output_gradients, unconnected_gradients)
-        flat_sources = tf.nest.flatten(sources)
-        flat = tf.nest.flatten(gradients, expand_composites=False)
-        local = [i for i, s in enumerate(flat_sources) if id(s) in self._mpitrain_local]
-        shared = [i for i in range(len(flat)) if i not in set(local)]
-        reduced = self._mpitrain_reducer.reduce([flat[i] for i in shared],
-                                                [flat_sources[i] for i in shared])
-        for i, value in zip(shared, reduced):
-            flat[i] = value
-        if self._mpitrain_scale_local:
-            size = self._mpitrain_reducer.process_set.size()
-            for i in local:
-                if flat[i] is not None:
-                    flat[i] = flat[i] / size
+        flat = self._mpitrain_reducer.reduce(tf.nest.flatten(gradients),
+                                             tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(gradients, flat)
 
     def register_local_source(self, source):
         """Keep ``source``'s gradient local to this rank (it is not reduced)."""
-        self._mpitrain_local.add(id(source))
+        self._mpitrain_reducer.register_local(source)
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
@@ -55,7 +44,25 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     tape._tape = gradtape._tape
     tape._mpitrain_reducer = GradientReducer(
         compression, sparse_as_dense, op, gradient_predivide_factor, num_groups,
-        groups, process_set)
-    tape._mpitrain_local = set()
-    tape._mpitrain_scale_local = scale_local_gradients
+        groups, process_set, scale_local_gradients)
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=Average, gradient_predivide_factor=1.0,
+                                   num_groups=0, groups=None,
+                                   process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """DistributedGradientTape whose ``local_layers`` keep their gradients local.
+
+    local_layers: a Keras layer or a list of them; the gradients of their
+    trainable weights are not reduced (divided by the set's size when
+    scale_local_gradients).
+    """
+    tape = DistributedGradientTape(
+        gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+        gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for weight in local_weights(local_layers):
+        tape.register_local_source(weight)
     return tape

@@ -15,6 +15,6 @@ from mpitrain.tensorflow import (
 from mpitrain.checkpoint import CheckpointError
 from mpitrain.tensorflow.keras import callbacks, elastic
 from mpitrain.tensorflow.keras.checkpoint import load_checkpoint, save_checkpoint
-from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer
+from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from mpitrain.tensorflow.keras.saving import load_model
 from mpitrain.tensorflow.keras.variables import broadcast_global_variables

@@ -15,7 +15,7 @@ import keras
 from mpitrain.ops import Average, Sum
 from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow.compression import Compression
-from mpitrain.tensorflow.gradient_reduction import GradientReducer
+from mpitrain.tensorflow.gradient_reduction import GradientReducer, local_weights
 from mpitrain.tensorflow.keras.local_aggregation import LocalAggregation
 
 
@@ -71,8 +71,13 @@ def distributed_class(base):
                         "optimizer: DistributedOptimizer wraps Keras 3 and tf_keras "
                         "optimizers")
     methods.update(__module__=base.__module__, __qualname__=base.__qualname__,
-                   _mpitrain_distributed=True)
+                   _mpitrain_distributed=True, register_local_var=_register_local_var)
     return type(base.__name__, (base,), methods)
+
+
+def _register_local_var(self, var):
+    """Keep ``var``'s gradient local to this rank (it is not reduced)."""
+    self._mpitrain.reducer.register_local(var)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -88,8 +93,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     one. backward_passes_per_step > 1 sums that many steps' gradients locally
     (divided by their number with average_aggregated_gradients) and
     communicates and applies once. ``name`` renames the optimizer (None
-    keeps its name); device_dense, device_sparse and scale_local_gradients
-    are accepted for Horovod compatibility and have no effect.
+    keeps its name). Variables given to ``register_local_var`` keep their
+    local gradients, divided by the set's size when scale_local_gradients.
+    device_dense and device_sparse are accepted for Horovod compatibility
+    and have no effect.
     """
     if op not in (Average, Sum):
         raise ValueError(f"DistributedOptimizer supports op=Average and op=Sum, "
@@ -106,6 +113,24 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     distributed = distributed_class(type(optimizer)).from_config(config)
     distributed._mpitrain = _Distribution(
         GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor,
-                        num_groups, groups, process_set),
+                        num_groups, groups, process_set, scale_local_gradients),
         backward_passes_per_step, average_aggregated_gradients)
+    return distributed
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1,
+                                average_aggregated_gradients=False, groups=None,
+                                process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """DistributedOptimizer whose ``local_layers`` keep their gradients local."""
+    distributed = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step,
+        average_aggregated_gradients, groups=groups, process_set=process_set,
+        scale_local_gradients=scale_local_gradients)
+    for weight in local_weights(local_layers):
+        distributed.register_local_var(weight)
     return distributed
