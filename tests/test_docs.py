@@ -44,7 +44,8 @@ HOROVOD = {
         cross_size rank local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built
         gloo_enabled gloo_built ProcessSet global_process_set add_process_set
         remove_process_set nccl_built ddl_built ccl_built cuda_built rocm_built Average
-        Sum Compression callbacks elastic DistributedOptimizer broadcast_global_variables
+        Sum Compression callbacks elastic DistributedOptimizer PartialDistributedOptimizer
+        broadcast_global_variables
         allreduce allgather broadcast reducescatter load_model
         callbacks.BroadcastGlobalVariablesCallback callbacks.MetricAverageCallback
         callbacks.LearningRateScheduleCallback callbacks.LearningRateWarmupCallback
