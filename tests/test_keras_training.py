@@ -300,3 +300,40 @@ def test_local_layers_keep_their_own_gradients_in_a_tape_and_in_fit():
                  [w - 0.1 * g for w, g in zip(before, expected)])
     with pytest.raises(ValueError, match="local_layers must be Keras layers"):
         hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=["dense"])
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_tensorflow_distributed_optimizer_wraps_tf1_optimizers_and_hands_on_keras_ones():
+    one_thread()
+    steps, n = 3, hvd.size()
+    x, y = dataset(steps)
+    xs, ys = shard(x, steps), shard(y, steps)
+
+    def train(optimizer, features, labels, rows, compiled):
+        """A linear model of tf.Variables, as TF1-style code has it."""
+        w = tf.Variable(np.random.default_rng(0).normal(size=(5, 2)).astype(np.float32))
+        b = tf.Variable(tf.zeros([2]))
+
+        def step(f, l):
+            optimizer.minimize(lambda: tf.reduce_mean((f @ w + b - l) ** 2), var_list=[w, b])
+        step = tf.function(step) if compiled else step
+        for i in range(steps):
+            step(features[i * rows:(i + 1) * rows], labels[i * rows:(i + 1) * rows])
+        return [w.numpy(), b.numpy()]
+
+    expected = train(tf.compat.v1.train.GradientDescentOptimizer(0.1), x, y, BATCH * n,
+                     compiled=False)
+    for compiled in (False, True):
+        optimizer = hvd_tf.DistributedOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        assert isinstance(optimizer, tf.compat.v1.train.Optimizer)
+        weights = train(optimizer, xs, ys, BATCH, compiled)
+        assert_same_on_every_rank(weights)
+        assert_close(weights, expected)
+    keras_optimizer = hvd_tf.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert type(keras_optimizer).__name__ == "SGD" and keras_optimizer._mpitrain_distributed
+    with pytest.raises(NotImplementedError, match="Keras optimizers only"):
+        hvd_tf.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(),
+                                    backward_passes_per_step=2)
+    with pytest.raises(TypeError, match="is not a Keras optimizer"):
+        hvd_tf.DistributedOptimizer(object())

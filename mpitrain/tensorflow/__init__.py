@@ -21,4 +21,5 @@ from mpitrain.tensorflow.errors import MismatchError
 from mpitrain.tensorflow.gradient_tape import (
     DistributedGradientTape, PartialDistributedGradientTape)
 from mpitrain.tensorflow.graph_op import XlaNotSupportedError
+from mpitrain.tensorflow.optimizer import DistributedOptimizer
 from mpitrain.tensorflow.reducescatter import grouped_reducescatter, reducescatter

@@ -69,7 +69,8 @@ def distributed_class(base):
     else:
         raise TypeError(f"{base.__module__}.{base.__qualname__} is not a Keras "
                         "optimizer: DistributedOptimizer wraps Keras 3 and tf_keras "
-                        "optimizers")
+                        "optimizers (and, from mpitrain.tensorflow, "
+                        "tf.compat.v1.train optimizers)")
     methods.update(__module__=base.__module__, __qualname__=base.__qualname__,
                    _mpitrain_distributed=True, register_local_var=_register_local_var)
     return type(base.__name__, (base,), methods)
@@ -107,10 +108,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if getattr(optimizer, "_mpitrain_distributed", False):
         raise ValueError(f"{type(optimizer).__name__} is already a "
                          "DistributedOptimizer; wrap it once")
+    cls = distributed_class(type(optimizer))      # a TypeError for a non-optimizer
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    distributed = distributed_class(type(optimizer)).from_config(config)
+    distributed = cls.from_config(config)
     distributed._mpitrain = _Distribution(
         GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor,
                         num_groups, groups, process_set, scale_local_gradients),
