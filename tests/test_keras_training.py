@@ -337,3 +337,54 @@ def test_tensorflow_distributed_optimizer_wraps_tf1_optimizers_and_hands_on_kera
                                     backward_passes_per_step=2)
     with pytest.raises(TypeError, match="is not a Keras optimizer"):
         hvd_tf.DistributedOptimizer(object())
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_sync_batch_normalization_matches_batch_normalization_on_the_whole_batch():
+    one_thread()
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(3)
+    # Batches of different sizes per rank, channels on the last axis.
+    batches = [rng.normal(2.0, 3.0, size=(k + 2, 3, 4)).astype(np.float32) for k in range(n)]
+    upstream = [rng.normal(size=b.shape).astype(np.float32) for b in batches]
+    whole = keras.layers.BatchNormalization(momentum=0.5)
+    inputs = tf.constant(np.concatenate(batches))
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        loss = tf.reduce_sum(whole(inputs, training=True) * np.concatenate(upstream))
+    want_input_grad, want_gamma_grad = tape.gradient(loss, [inputs, whole.gamma])
+    mine = slice(sum(len(b) for b in batches[:r]), sum(len(b) for b in batches[:r + 1]))
+
+    for compiled in (False, True):
+        layer = hvd_tf.SyncBatchNormalization(momentum=0.5)
+        x = tf.constant(batches[r])
+
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                output = layer(x, training=True)
+                loss = tf.reduce_sum(output * upstream[r])
+            return (output,) + tuple(tape.gradient(loss, [x, layer.gamma]))
+        output, input_grad, gamma_grad = (tf.function(step) if compiled else step)()
+        np.testing.assert_allclose(output.numpy(), _normalized(batches, r, whole.epsilon),
+                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(input_grad.numpy(), want_input_grad.numpy()[mine],
+                                   rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(sum(hvd.allgather_object(gamma_grad.numpy())),
+                                   want_gamma_grad.numpy(), rtol=1e-4)
+        np.testing.assert_allclose(layer.moving_mean.numpy(), whole.moving_mean.numpy(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance.numpy(),
+                                   whole.moving_variance.numpy(), rtol=1e-5)
+    masks = [rng.random(b.shape[:-1]) > 0.3 for b in batches]
+    want = keras.layers.BatchNormalization()(
+        inputs, training=True, mask=tf.constant(np.concatenate(masks))).numpy()[mine]
+    got = hvd_tf.SyncBatchNormalization()(tf.constant(batches[r]), training=True,
+                                          mask=tf.constant(masks[r]))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def _normalized(batches, rank, epsilon):
+    everything = np.concatenate(batches).astype(np.float64)
+    mean, variance = everything.mean(axis=(0, 1)), everything.var(axis=(0, 1))
+    return (batches[rank] - mean) / np.sqrt(variance + epsilon)

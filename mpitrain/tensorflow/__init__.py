@@ -23,3 +23,4 @@ from mpitrain.tensorflow.gradient_tape import (
 from mpitrain.tensorflow.graph_op import XlaNotSupportedError
 from mpitrain.tensorflow.optimizer import DistributedOptimizer
 from mpitrain.tensorflow.reducescatter import grouped_reducescatter, reducescatter
+from mpitrain.tensorflow.sync_batch_norm import SyncBatchNormalization
