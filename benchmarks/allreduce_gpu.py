@@ -21,7 +21,8 @@ import mpitrain as mt
 from mpitrain import arrays
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import KiB, MiB, alternate, bus_bandwidth  # noqa: E402
+from allreduce import (  # noqa: E402
+    KiB, MiB, alternate, bus_bandwidth, mpitrain_in_place)
 
 
 def main():
@@ -53,14 +54,6 @@ def main():
                                                buffer.size, nccl.NCCL_FLOAT32,
                                                nccl.NCCL_SUM, stream.ptr),
                         stream.synchronize())
-
-    def mpitrain_in_place(tensors, prefix):
-        def run():
-            handles = [mt.allreduce_async(t, name=f"{prefix}.{i}", op=mt.Sum, output=t)
-                       for i, t in enumerate(tensors)]
-            for handle in handles:
-                mt.synchronize(handle)
-        return run
 
     rows = []
     for nbytes in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB):

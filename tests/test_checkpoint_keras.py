@@ -10,20 +10,11 @@ import pytest
 from tests.mpi_harness import mpi_test
 
 tf = pytest.importorskip("tensorflow")
-import keras
 
 import mpitrain.tensorflow.keras as hvd
+from tests.keras_models import compiled_model  # noqa: E402
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
-
-
-def fresh_model(seed):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(2)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
-                  loss="mse", jit_compile=False)
-    return model
 
 
 @mpi_test(env=TF_ENV, timeout=180)
@@ -39,14 +30,14 @@ def test_training_resumed_from_a_checkpoint_matches_training_straight_through():
     def train(model):
         model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
 
-    model = fresh_model(hvd.rank())
+    model = compiled_model(hvd.rank())
     assert hvd.load_checkpoint(path, model) is None         # every rank gets rank 0's
     train(model)
     hvd.save_checkpoint(path, model, epoch=2)
     train(model)
     expected = model.get_weights()
 
-    resumed = fresh_model(100 + hvd.rank())                  # other weights, no state
+    resumed = compiled_model(100 + hvd.rank())                  # other weights, no state
     assert hvd.load_checkpoint(path, resumed) == {"epoch": 2}
     train(resumed)
     for got, want in zip(resumed.get_weights(), expected):

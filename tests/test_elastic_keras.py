@@ -9,18 +9,10 @@ tf = pytest.importorskip("tensorflow")
 import keras
 
 import mpitrain.tensorflow.keras as hvd
+from tests.keras_models import compiled_model  # noqa: E402
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 EPOCHS, STEPS, BATCH = 3, 4, 4
-
-
-def compiled_model(seed):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(2)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
-                  loss="mse", jit_compile=False)
-    return model
 
 
 class FailOnce(keras.callbacks.Callback):

@@ -13,6 +13,7 @@ import keras  # noqa: E402
 
 import mpitrain.tensorflow as hvd_tf  # noqa: E402
 import mpitrain.tensorflow.keras as hvd  # noqa: E402
+from tests.keras_models import make_model  # noqa: E402
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 BATCH = 4            # per rank and step
@@ -21,12 +22,6 @@ BATCH = 4            # per rank and step
 def one_thread():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-
-
-def make_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
-                             keras.layers.Dense(2)])
 
 
 def dataset(steps):
