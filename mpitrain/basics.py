@@ -38,14 +38,22 @@ def init(comm=None, process_sets=None):
         if _state is not None:
             _release(_state)
             _state = None
-        config = _config.from_environ()
+        try:
+            config, problem = _config.from_environ(), ""
+        except ValueError as error:     # raised below on every rank, not only here
+            config, problem = None, str(error)
         from mpitrain import faults, topology
         from mpitrain.engine import Engine, create_communicator
         topo = topology.build(comm)
+        try:
+            _fail_everywhere(topo.comm, problem, "init()")
+            static = _static_sets(process_sets, topo)
+        except BaseException:
+            topo.comm.Free()
+            raise
         logs.configure(topo.rank, config.log_level)
         topology.warn_about_threads(topo)
         faults.abort_on_unhandled_exceptions(config.abort_on_exception)
-        static = _static_sets(process_sets, topo)
         engine = Engine(topo, config)
         global_process_set.ranks = list(range(topo.size))
         global_process_set._attach(0, topo.rank)
@@ -77,17 +85,12 @@ def _static_sets(process_sets, topo):
         for process_set in static:
             process_set._resolve(topo.comm)
             _check_ranks(process_set.ranks, topo.size)
-        named, problem = [(tuple(p.ranks), p.mpi_comm is not None) for p in static], ""
+        problem = ""
     except (TypeError, ValueError) as error:
-        named, problem = [], str(error)
-    # Every rank learns every rank's sets, and any rank's problem, so that
-    # all raise together rather than some waiting in the next collective.
-    gathered = topo.comm.allgather((named, problem))
-    problems = [f"rank {rank}: {problem}" for rank, (_, problem) in enumerate(gathered)
-                if problem]
-    if problems:
-        raise ValueError("init(process_sets=...) failed on " + "; ".join(problems))
-    everyone = [sets for sets, _ in gathered]
+        problem = str(error)
+    _fail_everywhere(topo.comm, problem, "init(process_sets=...)")
+    named = [(tuple(p.ranks), p.mpi_comm is not None) for p in static]
+    everyone = topo.comm.allgather(named)
     if any(len(other) != len(named) for other in everyone) \
             or not all(_agree(everyone, position) for position in range(len(named))):
         raise ValueError(
@@ -105,6 +108,19 @@ def _static_sets(process_sets, topo):
             mine = ranks == tuple(process_set.ranks)
             registered.append((list(ranks), process_set if mine else None))
     return registered
+
+
+def _fail_everywhere(comm, problem, what):
+    """Raise ValueError on every rank of ``comm`` when any rank has a problem,
+    so that none goes on to wait for the others in a collective."""
+    ranks_of = {}
+    for rank, reported in enumerate(comm.allgather(problem)):
+        if reported:
+            ranks_of.setdefault(reported, []).append(rank)
+    if ranks_of:
+        raise ValueError(f"{what} failed on " + "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reported}"
+            for reported, ranks in ranks_of.items()))
 
 
 def _agree(everyone, position):

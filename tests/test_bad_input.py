@@ -237,6 +237,16 @@ def test_bad_environment_values_fail_init_on_every_rank_and_name_the_variable():
         message = str(caught.value)
         assert variable in message and repr(value) in message and accepts in message
         assert not mt.is_initialized()
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.rank == 1:             # one rank alone: the others fail too
+        os.environ["MPITRAIN_FUSION_THRESHOLD"] = "64MB"
+    try:
+        with pytest.raises(ValueError, match="init\\(\\) failed on rank 1: "
+                                             "MPITRAIN_FUSION_THRESHOLD='64MB'"):
+            mt.init()
+    finally:
+        os.environ.pop("MPITRAIN_FUSION_THRESHOLD", None)
+    assert not mt.is_initialized()
     mt.init()
     engine_still_works()
     mt.shutdown()
