@@ -79,7 +79,7 @@ def _static_sets(process_sets, topo):
     every part is registered, in the order of the ranks that named it.
     """
     if process_sets is None or process_sets == "dynamic":
-        return []
+        process_sets = []       # still agreed on: other ranks may have listed sets
     try:
         static = [p if isinstance(p, ProcessSet) else ProcessSet(p) for p in process_sets]
         for process_set in static:

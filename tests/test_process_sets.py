@@ -59,6 +59,9 @@ def test_sets_that_disagree_or_do_not_fit_fail_init_on_every_rank():
     with pytest.raises(ValueError, match=r"agree on who is in them.*rank 0: \[\[0, 2\]\]"):
         mt.init(process_sets=[mt.ProcessSet(part)])
     assert not mt.is_initialized()
+    with pytest.raises(ValueError, match="same sets on every rank"):
+        mt.init(process_sets=[[0, 1]] if world.rank == 0 else None)
+    assert not mt.is_initialized()
     beyond_the_job = [0, 99] if world.rank == 0 else [0, 1]
     with pytest.raises(ValueError, match="failed on rank 0: .*beyond the job's 3 ranks"):
         mt.init(process_sets=[beyond_the_job])
