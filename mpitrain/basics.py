@@ -310,11 +310,13 @@ def remove_process_set(process_set):
     from mpitrain import array_ops
     running = engine()
     set_id = process_set.process_set_id
+    problem = None            # reported by every rank, not only here
     if set_id is None or _state.sets.get(set_id) is not process_set:
-        raise ValueError(f"{process_set!r} is not registered")
-    if set_id == 0:
-        raise ValueError("the job-wide process set cannot be removed")
-    array_ops.change_process_sets(running, OpType.REMOVE_PROCESS_SET, (set_id,))
+        problem = f"{process_set!r} is not registered"
+    elif set_id == 0:
+        problem = "the job-wide process set cannot be removed"
+    array_ops.change_process_sets(running, OpType.REMOVE_PROCESS_SET,
+                                  (-1 if problem else set_id,), problem)
     del _state.sets[set_id]
     process_set._detach()
     return True

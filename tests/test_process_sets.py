@@ -91,6 +91,11 @@ def test_dynamic_add_use_and_remove():
         mt.allreduce(np.ones(1), process_set=pair)
     with pytest.raises(ValueError, match="cannot be removed"):
         mt.remove_process_set(mt.global_process_set)
+    # One rank's bad removal fails the removal on every rank.
+    pair = mt.add_process_set([0, 1])
+    with pytest.raises(ValueError, match="failed on rank 2: .*is not registered"):
+        mt.remove_process_set(pair if r != 2 else mt.ProcessSet([0, 1]))
+    assert mt.remove_process_set(pair)
     assert mt.allreduce(np.ones(1), op=mt.Sum)[0] == n
 
 
