@@ -287,12 +287,10 @@ def add_process_set(process_set):
     running = engine()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    if process_set.process_set_id is not None:
-        raise ValueError(f"{process_set!r} is already registered")
-    try:
+    try:                             # a problem is reported by every rank
         process_set._resolve(_state.topology.comm)
         problem = _ranks_problem(process_set.ranks, _state.topology.size)
-    except ValueError as error:      # reported by every rank, not only here
+    except ValueError as error:
         problem = str(error)
     for existing in _state.sets.values():
         if existing.ranks == process_set.ranks:
