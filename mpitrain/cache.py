@@ -37,6 +37,11 @@ class ResponseCache:
             return INVALID, slot
         return HIT, slot
 
+    def slot_bit(self, name):
+        """The bit of ``name``'s slot, or 0 where it is not cached."""
+        slot = self._by_name.get(name)
+        return 0 if slot is None else 1 << slot
+
     def response(self, slot):
         return self._slots[slot][0]
 

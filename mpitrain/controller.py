@@ -279,6 +279,10 @@ class SetController:
                 entry.state = CACHED
                 entry.slot = slot
             else:
+                if entry.error:
+                    # The other ranks may hold the name as a cache hit and wait
+                    # for this rank's bit: send them to the coordinator too.
+                    invalid |= cache.slot_bit(entry.name)
                 entry.state = QUEUED
                 uncached.append(entry)
                 continue

@@ -305,6 +305,19 @@ def test_an_argument_only_one_rank_gets_wrong_fails_every_rank_at_once():
     engine_still_works()
 
 
+@mpi_test()
+def test_a_bad_argument_on_one_rank_under_a_name_used_before_fails_at_once():
+    """The other ranks find the name in their response cache: they must not wait there."""
+    r = mt.rank()
+    for _ in range(2):
+        assert mt.broadcast(np.full(2, float(r)), 0, name="used.before")[0] == 0
+        message = raises_everywhere(ValueError, "root_rank must be a whole number",
+                                    lambda: mt.broadcast(np.ones(2), "zero" if r == 0 else 0,
+                                                         name="used.before"))
+        assert "'used.before' failed on rank 0" in message
+    engine_still_works()
+
+
 def test_every_test_docs_bad_input_names_exists():
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "bad-input.md")) as page:
         cited = set(re.findall(r"`(test_\w+\.py)::(test_\w+)`", page.read()))
