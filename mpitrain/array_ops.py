@@ -304,6 +304,17 @@ def _control(kind, name, process_set, shape=(), problem=None):
     return _submit(engine, controller, [(handle, problem)])[0]
 
 
+def fail(kind, name, process_set, error_kind, problem):
+    """Raise this rank's ``problem`` with input it could not submit as ``name``.
+
+    The other ranks, which submit ``name`` as usual, fail it too, naming
+    this rank, instead of waiting for it.
+    """
+    if name is None:
+        name = _controller(basics.engine(), process_set).automatic_name(kind)
+    _control(kind, name, process_set, problem=_Problem(error_kind, problem))
+
+
 def barrier(process_set=global_process_set):
     """Wait until every rank of the set has called barrier()."""
     synchronize(_control(OpType.BARRIER, "barrier", process_set))

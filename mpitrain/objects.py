@@ -19,6 +19,15 @@ def _bytes(obj):
     return np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
 
 
+def _pickled(obj, name, kind, process_set):
+    """``obj``'s bytes; if it cannot be pickled, operation ``name`` fails on every rank."""
+    try:
+        return _bytes(obj)
+    except Exception as error:      # whatever pickle raises, every rank must hear it
+        array_ops.fail(kind, name, process_set, "type",
+                       f"the object cannot be pickled: {type(error).__name__}: {error}")
+
+
 def _name(name, kind, process_set):
     if name is not None:
         return name
@@ -30,7 +39,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """Return root_rank's ``obj`` on every rank of the set."""
     name = _name(name, OpType.BROADCAST, process_set)
     is_root = process_set.rank() == root_rank
-    data = _bytes(obj) if is_root else None
+    data = _pickled(obj, f"{name}.size", OpType.BROADCAST, process_set) if is_root else None
     size = np.array([0 if data is None else data.size], dtype=np.int64)
     size = array_ops.broadcast(size, root_rank, f"{name}.size", process_set)
     if data is None:
@@ -43,7 +52,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Return a list with every rank's ``obj``, in rank order."""
     name = _name(name, OpType.ALLGATHER, process_set)
-    data = _bytes(obj)
+    data = _pickled(obj, f"{name}.sizes", OpType.ALLGATHER, process_set)
     sizes = array_ops.allgather(np.array([data.size], dtype=np.int64),
                                 f"{name}.sizes", process_set)
     if int(sizes.sum()) <= _GATHER_LIMIT:

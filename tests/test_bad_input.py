@@ -7,6 +7,7 @@ every rank, and that the engine still works afterwards.
 
 import os
 import re
+import threading
 import time
 
 import numpy as np
@@ -315,6 +316,29 @@ def test_a_bad_argument_on_one_rank_under_a_name_used_before_fails_at_once():
                                     lambda: mt.broadcast(np.ones(2), "zero" if r == 0 else 0,
                                                          name="used.before"))
         assert "'used.before' failed on rank 0" in message
+    engine_still_works()
+
+
+@mpi_test()
+def test_an_object_one_rank_cannot_pickle_fails_every_rank():
+    """The root alone pickles in broadcast_object, so it alone can fail to."""
+    r, n = mt.rank(), mt.size()
+    unpicklable = threading.Lock()
+    for root in (0, n - 1):
+        message = raises_everywhere(TypeError, "cannot be pickled", lambda: mt.broadcast_object(
+            {"lock": unpicklable} if r == root else None, root_rank=root, name="lock"))
+        assert f"'lock.size' failed on rank {root}" in message
+        assert "cannot pickle '_thread.lock' object" in message
+    message = raises_everywhere(TypeError, "cannot be pickled", lambda: mt.allgather_object(
+        unpicklable if r == n - 1 else r, name="gather.lock"))
+    assert f"failed on rank {n - 1}" in message
+    for _ in range(2):          # the second failure comes after a cached success
+        assert mt.broadcast_object("fine", root_rank=n - 1, name="lock") == "fine"
+        assert mt.allgather_object(r, name="gather.lock") == list(range(n))
+        raises_everywhere(TypeError, "cannot be pickled", lambda: mt.broadcast_object(
+            unpicklable if r == 0 else None, root_rank=0, name="lock"))
+        raises_everywhere(TypeError, "cannot be pickled", lambda: mt.allgather_object(
+            unpicklable if r == 0 else r, name="gather.lock"))
     engine_still_works()
 
 

@@ -199,6 +199,18 @@ def test_a_failed_broadcast_parameters_leaves_no_name_in_flight():
     engine_still_works()
 
 
+@mpi_test()
+def test_an_optimizer_state_the_root_cannot_pickle_fails_every_rank():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if hvd.rank() == 0:                  # only the root pickles the state
+        optimizer.param_groups[0]["on_step"] = lambda: None
+    raises_everywhere(TypeError, "'broadcast_optimizer_state.size' failed on rank 0: "
+                                 "the object cannot be pickled",
+                      lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=0))
+    engine_still_works()
+
+
 @mpi_test(init=False)
 def test_calls_before_init_and_after_shutdown_say_to_call_init():
     model = torch.nn.Linear(2, 2)
