@@ -200,6 +200,22 @@ def test_a_failed_broadcast_parameters_leaves_no_name_in_flight():
 
 
 @mpi_test()
+def test_a_value_only_one_rank_cannot_broadcast_fails_broadcast_parameters_everywhere():
+    r, n = hvd.rank(), hvd.size()
+    for odd_one in (3, torch.ones(2).to_sparse()):          # not a dense tensor
+        named = {"a": torch.zeros(2), "b": odd_one if r == n - 1 else torch.zeros(2),
+                 "c": torch.zeros(3)}
+        unnamed = list(named.values())
+        for params in (named, unnamed):
+            message = raises_everywhere(TypeError, f"failed on rank {n - 1}: ", lambda:
+                                        hvd.broadcast_parameters(params, root_rank=0))
+            assert ("'b'" in message) == (params is named), message
+            assert "expected a torch.Tensor, got int" in message or "layout" in message
+    hvd.broadcast_parameters([torch.zeros(2)] * 3, root_rank=0)     # the names still agree
+    engine_still_works()
+
+
+@mpi_test()
 def test_an_optimizer_state_the_root_cannot_pickle_fails_every_rank():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
