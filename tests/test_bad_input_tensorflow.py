@@ -141,6 +141,18 @@ def test_roots_splits_and_process_sets_that_do_not_fit():
 
 
 @mpi_test(env=TF_ENV, timeout=120)
+def test_a_root_only_one_rank_gets_wrong_fails_every_variable_on_every_rank():
+    one_thread()
+    r, n = hvd.rank(), hvd.size()
+    variables = [tf.Variable([1.0]), tf.Variable([2.0, 3.0])]
+    message = raises_everywhere(tf.errors.InvalidArgumentError, "out of range", lambda:
+                                hvd.broadcast_variables(variables, n if r == n - 1 else 0))
+    assert f"failed on rank {n - 1}" in message
+    hvd.broadcast_variables(variables, root_rank=0)      # the names still agree
+    engine_still_works()
+
+
+@mpi_test(env=TF_ENV, timeout=120)
 def test_keras_models_that_differ_between_ranks_fail_on_every_rank():
     one_thread()
     r = hvd.rank()

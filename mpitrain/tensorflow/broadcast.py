@@ -42,8 +42,14 @@ def send_from_root(tensors, root_rank, name, process_set):
     def body(arrays):
         names = ([None] * len(arrays) if name is None else
                  [f"{name}_{i}of{len(arrays)}" for i in range(len(arrays))])
-        handles = [_start(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
-        results, errors = synchronize_all(handles)     # none left in flight on failure
+        handles, errors = [], []
+        for array, array_name in zip(arrays, names):
+            try:
+                handles.append(_start(array, root_rank, array_name, process_set))
+            except Exception as error:      # submit the rest, so no peer waits for them
+                errors.append(error)
+        results, failed = synchronize_all(handles)     # none left in flight on failure
+        errors += failed
         if errors:
             raise errors[0]
         return [r.view(a.dtype).reshape(a.shape) for r, a in zip(results, arrays)]
