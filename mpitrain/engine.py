@@ -82,10 +82,8 @@ class Engine:
             if existing is None:
                 controller.in_flight[name] = entry
                 controller.incoming.append(entry)
-            elif existing.ghost and existing.successor is None:
-                existing.successor = entry
             else:
-                raise _duplicate(name, controller)
+                _last_failed(existing, controller).successor = entry
             if self._sleeping:
                 self._sleeping = False       # one wake-up is enough for a burst
                 self.lock.notify()
@@ -93,8 +91,8 @@ class Engine:
     def enqueue_many(self, controller, entries):
         """Hand entries to the engine at once, so one round sees them all.
 
-        A name still in flight is a ValueError, unless it belongs to an entry
-        that already failed locally: the new one then waits behind it.
+        A name still in flight is a ValueError, unless it belongs to entries
+        that already failed locally: the new one then waits behind them.
         """
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
@@ -102,15 +100,11 @@ class Engine:
         with self.lock:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
-            for name in names:
-                existing = controller.in_flight.get(name)
-                if existing is not None and not (
-                        existing.ghost and existing.successor is None):
-                    raise _duplicate(name, controller)
+            behind = {name: _last_failed(controller.in_flight[name], controller)
+                      for name in names if name in controller.in_flight}
             for name, entry in zip(names, entries):
-                existing = controller.in_flight.get(name)
-                if existing is not None:
-                    existing.successor = entry
+                if name in behind:
+                    behind[name].successor = entry
                 else:
                     controller.in_flight[name] = entry
                     controller.incoming.append(entry)
@@ -232,6 +226,17 @@ class Engine:
             controller.fail_all(ShutdownError(f"process set {set_id} was removed"))
             controller.channel.comm.Free()
         return set_id
+
+
+def _last_failed(entry, controller):
+    """The last entry queued under ``entry``'s name, which a new submission
+    may wait behind only if it failed locally (its error is on its way to
+    the other ranks); otherwise the name is still in use."""
+    while entry.successor is not None:
+        entry = entry.successor
+    if not entry.ghost:
+        raise _duplicate(entry.name, controller)
+    return entry
 
 
 def _duplicate(name, controller):

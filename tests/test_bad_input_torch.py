@@ -6,6 +6,7 @@ argument checks; this file covers the other collectives and the remaining
 kinds of bad input (docs/bad-input.md).
 """
 
+import re
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 import mpitrain.torch as hvd
 from tests.mpi_harness import mpi_test
-from tests.test_bad_input import FAST_STALL, expect_everywhere, wait_until_the_job_stops
+from tests.test_bad_input import FAST_STALL, expect_everywhere
 from tests.test_torch_ops import raises_everywhere
 
 torch.set_num_threads(1)
@@ -282,20 +283,26 @@ def test_disagreements_that_end_in_the_stall_report():
 
     expect_everywhere("'1.weight'", train_two_steps, "stall", "rank 0", "rank 1")
     hvd.shutdown()
-
-    hvd.init()                         # a dtype only rank 0's torch cannot convert
-    if r == 0:
-        with pytest.raises(TypeError, match="unsupported dtype torch.complex32"):
-            hvd.allreduce(torch.zeros(2, dtype=torch.complex32), name="half.complex")
-        wait_until_the_job_stops()
-    else:
-        expect_everywhere("'half.complex'", lambda: hvd.allreduce(
-            torch.zeros(2), name="half.complex"), "rank 0")
-    hvd.shutdown()
     hvd.init()
     started = time.monotonic()
     engine_still_works()
     assert time.monotonic() - started < 5
+
+
+@mpi_test()
+def test_a_tensor_only_one_rank_cannot_convert_fails_every_rank_at_once():
+    r = hvd.rank()
+    for collective in (hvd.allreduce, hvd.allreduce_, hvd.allgather, hvd.reducescatter,
+                       lambda t, name: hvd.broadcast_(t, root_rank=0, name=name)):
+        name = f"half.complex.{collective.__name__}"
+        started = time.monotonic()
+        with pytest.raises(TypeError) as caught:   # only rank 0's torch cannot convert it
+            collective(torch.zeros(6, dtype=torch.complex32 if r == 0 else torch.float32),
+                       name=name)
+        assert re.search(rf"'{re.escape(name)}' failed on rank 0: .*unsupported dtype "
+                         r"torch\.complex32", str(caught.value)), str(caught.value)
+        assert time.monotonic() - started < 10, "the others waited for a stall report"
+    engine_still_works()
 
 
 @mpi_test(init=False)

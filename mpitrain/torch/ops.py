@@ -12,7 +12,7 @@ import torch
 
 from mpitrain import array_ops
 from mpitrain.handles import synchronize
-from mpitrain.ops import Average, Sum, resolve_op
+from mpitrain.ops import Average, OpType, Sum, resolve_op
 from mpitrain.process_sets import global_process_set
 from mpitrain.torch.tensors import TensorHandle, as_array, as_tensor
 
@@ -25,6 +25,15 @@ def _as_tensors(arrays):
     return [as_tensor(a) for a in arrays]
 
 
+def _input(tensor, what, kind, name, process_set):
+    """``tensor`` as an array; one that cannot be fails the operation on every
+    rank, so that the other ranks do not wait for this one's submission."""
+    try:
+        return as_array(tensor, what)
+    except TypeError as error:
+        array_ops.fail(kind, name, process_set, "type", str(error))
+
+
 def _arrays(tensors, what):
     return [as_array(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
 
@@ -32,16 +41,16 @@ def _arrays(tensors, what):
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set):
     """Start reducing ``tensor`` across the set into a new tensor."""
-    handle = array_ops.allreduce_async(as_array(tensor, "allreduce input"), average,
-                                       name, op, prescale_factor, postscale_factor,
-                                       process_set)
+    array = _input(tensor, "allreduce input", OpType.ALLREDUCE, name, process_set)
+    handle = array_ops.allreduce_async(array, average, name, op, prescale_factor,
+                                       postscale_factor, process_set)
     return TensorHandle(handle, as_tensor)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Start reducing ``tensor`` across the set, in place."""
-    array = as_array(tensor, "allreduce input")
+    array = _input(tensor, "allreduce input", OpType.ALLREDUCE, name, process_set)
     handle = array_ops.allreduce_async(array, average, name, op, prescale_factor,
                                        postscale_factor, process_set, output=array)
     return TensorHandle(handle, _returns(tensor))
@@ -82,8 +91,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` along the first dimension."""
-    handle = array_ops.allgather_async(as_array(tensor, "allgather input"), name,
-                                       process_set)
+    array = _input(tensor, "allgather input", OpType.ALLGATHER, name, process_set)
+    handle = array_ops.allgather_async(array, name, process_set)
     return TensorHandle(handle, as_tensor)
 
 
@@ -95,14 +104,14 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Start sending root_rank's ``tensor`` to every rank, into a new tensor."""
-    handle = array_ops.broadcast_async(as_array(tensor, "broadcast input"), root_rank,
-                                       name, process_set)
+    array = _input(tensor, "broadcast input", OpType.BROADCAST, name, process_set)
+    handle = array_ops.broadcast_async(array, root_rank, name, process_set)
     return TensorHandle(handle, as_tensor)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """Start overwriting ``tensor`` with root_rank's, in place."""
-    array = as_array(tensor, "broadcast input")
+    array = _input(tensor, "broadcast input", OpType.BROADCAST, name, process_set)
     handle = array_ops.broadcast_async(array, root_rank, name, process_set,
                                        output=array)
     return TensorHandle(handle, _returns(tensor))
@@ -121,16 +130,16 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """Start sending ``splits[i]`` rows to rank i; the result is (output, received splits)."""
     if isinstance(splits, torch.Tensor):
         splits = as_array(splits, "alltoall splits")
-    handle = array_ops.alltoall_async(as_array(tensor, "alltoall input"), splits, name,
-                                      process_set)
+    array = _input(tensor, "alltoall input", OpType.ALLTOALL, name, process_set)
+    handle = array_ops.alltoall_async(array, splits, name, process_set)
     return TensorHandle(handle, _received)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     """Start reducing ``tensor`` and scattering its rows; low ranks get any extra row."""
-    handle = array_ops.reducescatter_async(as_array(tensor, "reducescatter input"), op,
-                                           name, process_set, prescale_factor,
+    array = _input(tensor, "reducescatter input", OpType.REDUCESCATTER, name, process_set)
+    handle = array_ops.reducescatter_async(array, op, name, process_set, prescale_factor,
                                            postscale_factor)
     return TensorHandle(handle, as_tensor)
 
