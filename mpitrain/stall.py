@@ -27,17 +27,24 @@ class StallInspector:
         ages = {name: now - first for name, (first, _) in waiting.items()}
         oldest = max(ages.values())
         if self.shutdown_after and oldest >= self.shutdown_after:
-            return self.report(waiting, ages, joined, self.shutdown_after,
-                               "mpitrain is shutting down the job")
+            return self.report(waiting, ages, joined,
+                               f"one has waited {self.shutdown_after:g} s, so mpitrain "
+                               "is shutting down the job")
         due = (self._last_warning is None
                or now - self._last_warning >= self.warn_after)
         if oldest >= self.warn_after and due:
             self._last_warning = now
-            log.warning("%s", self.report(waiting, ages, joined, self.warn_after,
+            log.warning("%s", self.report(waiting, ages, joined,
                                           "this will deadlock if it goes on"))
         return None
 
-    def report(self, waiting, ages, joined, threshold, consequence):
+    def report(self, waiting, ages, joined, consequence):
+        """Every name stalled past the check time, with the ranks it misses.
+
+        Also at shutdown: names the other ranks submitted a moment later
+        than the oldest one belong in the report as much as it does.
+        """
+        threshold = min(self.warn_after, self.shutdown_after or self.warn_after)
         missing = {}
         for name, (_, present) in waiting.items():
             if ages[name] < threshold:
