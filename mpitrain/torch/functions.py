@@ -1,12 +1,10 @@
 """Making every rank start from the same model and optimizer state."""
 
-from mpitrain import array_ops
 from mpitrain.errors import CollectiveValueError
 from mpitrain.handles import synchronize_all
 from mpitrain.objects import allgather_object, broadcast_object
-from mpitrain.ops import OpType
 from mpitrain.process_sets import global_process_set
-from mpitrain.torch.tensors import as_array
+from mpitrain.torch.ops import broadcast_async_
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):
@@ -23,25 +21,13 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
     handles, errors = [], []
     for name, tensor in items:
         try:
-            handles.append(_start_broadcast(tensor, root_rank, name, process_set))
+            # A tensor this rank cannot send fails its name on every rank.
+            handles.append(broadcast_async_(tensor, root_rank, name, process_set))
         except Exception as error:      # submit the rest, so no peer waits for them
             errors.append(error)
     errors += synchronize_all(handles)[1]
     if errors:
         raise errors[0]
-
-
-def _start_broadcast(tensor, root_rank, name, process_set):
-    """Start overwriting ``tensor`` with root_rank's.
-
-    Something this rank cannot send (not a tensor, one of another layout)
-    fails ``name`` on every rank, so that no peer waits for it.
-    """
-    try:
-        array = as_array(tensor, "broadcast input")
-    except TypeError as error:
-        array_ops.fail(OpType.BROADCAST, name, process_set, "type", str(error))
-    return array_ops.broadcast_async(array, root_rank, name, process_set, output=array)
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None,
