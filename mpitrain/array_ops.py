@@ -128,7 +128,8 @@ def _check(controller, handle):
                                 f"{output.dtype} cannot hold the result for input "
                                 f"of shape {array.shape} and dtype {array.dtype} "
                                 "(or it lives on another device)")
-    if not output.flags.writeable and not (kind == BROADCAST
+    # CuPy arrays are always writeable and have no such flag.
+    if not getattr(output.flags, "writeable", True) and not (kind == BROADCAST
                                            and handle.root == controller.rank):
         raise _Problem("value", "the output array is read-only")
 

@@ -142,10 +142,12 @@ class Device:
     def pinned(self, dtype, count):
         """A grow-only page-locked host buffer, for staging through the host."""
         dtype = np.dtype(dtype)
-        memory = self._pinned.get(dtype)
-        if memory is None or memory.size < count * dtype.itemsize:
-            memory = self._pinned[dtype] = self.cupy.cuda.alloc_pinned_memory(
-                max(count, 1) * dtype.itemsize)
+        nbytes = count * dtype.itemsize
+        memory, capacity = self._pinned.get(dtype, (None, 0))
+        if memory is None or capacity < nbytes:
+            capacity = max(nbytes, 1)
+            memory = self.cupy.cuda.alloc_pinned_memory(capacity)
+            self._pinned[dtype] = (memory, capacity)
         return np.frombuffer(memory, dtype, count)
 
     def to_host(self, array, host):

@@ -26,9 +26,9 @@ class DeviceTransport:
             unique_id = None
             if channel.rank == 0:
                 with backend.active():
-                    unique_id = NcclAllreduce.unique_id(backend.cupy)
+                    unique_id = NcclAllreduce.unique_id()
             unique_id = yield from channel.bcast_object(unique_id)
             with backend.active():
-                self._nccl = NcclAllreduce(backend.cupy, unique_id, channel.rank,
+                self._nccl = NcclAllreduce(unique_id, channel.rank,
                                            channel.size)
         return self._nccl if self._nccl.handles(dtype) else None

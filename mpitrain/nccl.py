@@ -11,8 +11,8 @@ from mpitrain.ops import ReduceOp
 
 
 class NcclAllreduce:
-    def __init__(self, cupy, unique_id, rank, size):
-        nccl = cupy.cuda.nccl
+    def __init__(self, unique_id, rank, size):
+        from cupy.cuda import nccl    # a submodule that `import cupy` does not load
         self._nccl = nccl
         self._comm = nccl.NcclCommunicator(size, unique_id, rank)
         self._types = {np.dtype(t): getattr(nccl, name) for t, name in [
@@ -24,8 +24,9 @@ class NcclAllreduce:
                      ReduceOp.PRODUCT: nccl.NCCL_PROD}
 
     @staticmethod
-    def unique_id(cupy):
-        return cupy.cuda.nccl.get_unique_id()
+    def unique_id():
+        from cupy.cuda import nccl
+        return nccl.get_unique_id()
 
     def handles(self, dtype):
         return np.dtype(dtype) in self._types

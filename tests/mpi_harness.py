@@ -24,23 +24,36 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def mpi_test(np=(2, 3), env=None, timeout=30, init=True):
+def mpi_test(np=(2, 3), env=None, timeout=30, init=True, skip=None):
     """Mark a function to run on every rank of an mpirun job of ``np`` ranks.
 
     env: extra environment variables for the job; init: call mpitrain.init()
-    before the test (False: the test starts mpitrain itself).
+    before the test (False: the test starts mpitrain itself); skip: a
+    function of (rank count, the job's environment) that returns why this
+    machine cannot run the test, or None. A body may also call pytest.skip()
+    on every rank.
     """
     def decorate(body):
         @pytest.mark.parametrize("nprocs", np, ids=lambda n: f"np{n}")
         def test(nprocs, mpi_jobs, request):
+            reason = _skip_reason(test, nprocs)
+            if reason:
+                pytest.skip(reason)
             mpi_jobs.check(request.module, body.__name__, nprocs)
 
         test.__name__ = test.__qualname__ = body.__name__
         test.__doc__ = body.__doc__
         test.mpi_body = body
         test.mpi_options = (tuple(sorted((env or {}).items())), timeout, init)
+        test.mpi_skip = skip
         return test
     return decorate
+
+
+def _skip_reason(test, nprocs):
+    if test.mpi_skip is None:
+        return None
+    return test.mpi_skip(nprocs, job_environment(dict(test.mpi_options[0])))
 
 
 def mpirun_command(nprocs, extra_args=()):
@@ -138,9 +151,17 @@ class Jobs:
         results, job = self._results[key]
         per_rank = [r.get(name) for r in results]
         failures = [f"--- rank {rank} ---\n{r['message']}"
-                    for rank, r in enumerate(per_rank) if r and r["status"] != "passed"]
+                    for rank, r in enumerate(per_rank)
+                    if r and r["status"] not in ("passed", "skipped")]
         if failures:
             pytest.fail("\n".join(failures), pytrace=False)
+        skipped = [r for r in per_rank if r and r["status"] == "skipped"]
+        if skipped and len(skipped) == len(per_rank):
+            pytest.skip(skipped[0]["message"])
+        if skipped:
+            pytest.fail("only some ranks skipped: " + "; ".join(
+                f"rank {rank}: {r['status']}" for rank, r in enumerate(per_rank) if r),
+                pytrace=False)
         if not all(per_rank):
             missing = [rank for rank, r in enumerate(per_rank) if not r]
             pytest.fail(f"ranks {missing} never finished this test; the job "
@@ -152,7 +173,7 @@ class Jobs:
         env, timeout, init = options
         tests = [value for value in vars(module).values()
                  if hasattr(value, "mpi_body") and value.mpi_options == options
-                 and nprocs in _rank_counts(value)]
+                 and nprocs in _rank_counts(value) and not _skip_reason(value, nprocs)]
         tests.sort(key=lambda test: test.mpi_body.__code__.co_firstlineno)
         names = [test.__name__ for test in tests]
         with tempfile.TemporaryDirectory() as outdir:

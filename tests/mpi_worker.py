@@ -9,6 +9,8 @@ import threading
 import time
 import traceback
 
+import pytest
+
 
 def _load(path):
     spec = importlib.util.spec_from_file_location("mpi_test_module", path)
@@ -72,9 +74,13 @@ def main():
         try:
             getattr(module, name).mpi_body()
             status, message = "passed", ""
+        except pytest.skip.Exception as skip:
+            status, message = "skipped", str(skip)
         except BaseException:
             status, message = "failed", traceback.format_exc()
-        report(name, status, message + f"\n({time.monotonic() - started:.2f} s)")
+        if status != "skipped":
+            message += f"\n({time.monotonic() - started:.2f} s)"
+        report(name, status, message)
         from mpi4py import MPI     # initialized by now, by mpitrain.init()
         MPI.COMM_WORLD.Barrier()
         watchdog.disarm()

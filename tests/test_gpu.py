@@ -114,7 +114,7 @@ def test_torch_cuda_training_matches_the_cpu():
 
 @mpi_test(np=(2,))
 def test_tensorflow_gpu_tensors():
-    import tensorflow as tf
+    tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed here")
     import mpitrain.tensorflow as hvd
     if not tf.config.list_physical_devices("GPU"):
         pytest.skip("this TensorFlow sees no GPU (tensorflow-cpu)")
