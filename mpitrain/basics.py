@@ -48,13 +48,14 @@ def init(comm=None, process_sets=None):
         try:
             _fail_everywhere(topo.comm, problem, "init()")
             static = _static_sets(process_sets, topo)
+            cuda_aware, plan = _device_transport(topo, config)
         except BaseException:
             topo.comm.Free()
             raise
         logs.configure(topo.rank, config.log_level)
         topology.warn_about_threads(topo)
         faults.abort_on_unhandled_exceptions(config.abort_on_exception)
-        engine = Engine(topo, config)
+        engine = Engine(topo, config, cuda_aware, plan)
         global_process_set.ranks = list(range(topo.size))
         global_process_set._attach(0, topo.rank)
         engine.add_set(0, global_process_set.ranks, topo.comm)
@@ -108,6 +109,20 @@ def _static_sets(process_sets, topo):
             mine = ranks == tuple(process_set.ranks)
             registered.append((list(ranks), process_set if mine else None))
     return registered
+
+
+def _device_transport(topo, config):
+    """(this rank's CUDA-awareness, the job's Plan for device buffers), agreed by all."""
+    from mpitrain.gpu import cuda_aware, selection
+    aware = cuda_aware.resolve(config.cuda_aware)
+    everyone = topo.comm.allgather(
+        selection.local_facts(topo.node, config.gpu_operations, aware))
+    try:
+        plan, problem = selection.choose(everyone), ""
+    except ValueError as error:       # the same on every rank, raised on every rank
+        plan, problem = None, str(error)
+    _fail_everywhere(topo.comm, problem, "init()")
+    return aware, plan
 
 
 def _fail_everywhere(comm, problem, what):

@@ -54,27 +54,51 @@ class Channel:
         if self.blocking:
             yield self.comm.Ibarrier()
 
-    def allreduce(self, buffer, op, each=None):
+    def agree(self, flag):
+        """Did any rank raise ``flag``? Returns the same answer on every rank.
+
+        Non-blocking, so it also serves as the arrival before blocking calls.
+        """
+        vote = np.array([1 if flag else 0], dtype=np.int32)
+        yield self.comm.Iallreduce(MPI.IN_PLACE, vote, MPI.MAX)
+        return bool(vote[0])
+
+    def chunks(self, count, itemsize):
+        """(start, stop) of the pieces of about chunk_size bytes that allreduce makes."""
+        step = max(1, self.chunk_size // itemsize)
+        return [(start, min(start + step, count))
+                for start in range(0, max(count, 1), step)]
+
+    def allreduce(self, buffer, op, before=None, after=None):
         """Reduce a 1-D buffer in place, in chunks of about chunk_size bytes.
 
-        each(chunk), if given, runs on every reduced chunk: on the blocking
-        channel right after its MPI call, while the chunk is still in cache.
+        before(start, stop) runs before a chunk's MPI call; after(start, stop)
+        on each reduced chunk: on the blocking channel right after its MPI
+        call, while the chunk is still in cache.
         """
         mpi_op = MPI_OPS[op]
         mpi_type = _MPI_TYPES[buffer.dtype]
-        step = max(1, self.chunk_size // buffer.itemsize)
-        chunks = [buffer[i:i + step] for i in range(0, max(buffer.size, 1), step)]
+        bounds = self.chunks(buffer.size, buffer.itemsize)
         if self.blocking:
-            for chunk in chunks:
-                self.comm.Allreduce(MPI.IN_PLACE, [chunk, mpi_type], mpi_op)
-                if each is not None:
-                    each(chunk)
+            for start, stop in bounds:
+                if before is not None:
+                    before(start, stop)
+                self.comm.Allreduce(MPI.IN_PLACE, [buffer[start:stop], mpi_type], mpi_op)
+                if after is not None:
+                    after(start, stop)
             return
-        yield [self.comm.Iallreduce(MPI.IN_PLACE, [chunk, mpi_type], mpi_op)
-               for chunk in chunks]
-        if each is not None:
-            for chunk in chunks:
-                each(chunk)
+        requests = []
+        for start, stop in bounds:
+            if before is not None:
+                before(start, stop)
+            requests.append(self.comm.Iallreduce(
+                MPI.IN_PLACE, [buffer[start:stop], mpi_type], mpi_op))
+        if after is None:
+            yield requests
+            return
+        for request, (start, stop) in zip(requests, bounds):
+            yield request
+            after(start, stop)
 
     def allgatherv(self, send, receive, counts):
         """Gather byte views; counts are bytes per rank."""
@@ -123,7 +147,7 @@ class Channel:
         """Gather picklable objects to rank 0; other ranks get None."""
         if self.blocking:
             return self.comm.gather(obj, root=0)
-        data = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+        data = _pickled(obj)
         sizes = np.zeros(self.size, dtype=np.int64)
         yield self.comm.Igather(np.array([data.size], dtype=np.int64), sizes, root=0)
         if self.rank != 0:
@@ -132,16 +156,13 @@ class Channel:
         received = np.empty(int(sizes.sum()), dtype=np.uint8)
         yield self.comm.Igatherv([data, MPI.BYTE],
                                  [received, sizes.tolist(), None, MPI.BYTE], root=0)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(received[offsets[i]:offsets[i + 1]])
-                for i in range(self.size)]
+        return _unpickled(received, sizes)
 
     def bcast_object(self, obj):
         """Broadcast a picklable object from rank 0."""
         if self.blocking:
             return self.comm.bcast(obj, root=0)
-        data = (np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
-                if self.rank == 0 else None)
+        data = _pickled(obj) if self.rank == 0 else None
         size = np.array([0 if data is None else data.size], dtype=np.int64)
         yield self.comm.Ibcast(size, root=0)
         if data is None:
@@ -150,7 +171,24 @@ class Channel:
         return pickle.loads(data)
 
     def allgather_objects(self, obj):
-        """Every rank's object, on every rank (job-wide channel only)."""
-        assert self.blocking, "allgather_objects runs on the blocking channel"
-        return self.comm.allgather(obj)
-        yield  # a generator like the other methods
+        """Every rank's picklable object, on every rank."""
+        if self.blocking:
+            return self.comm.allgather(obj)
+        data = _pickled(obj)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        yield self.comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)
+        received = np.empty(int(sizes.sum()), dtype=np.uint8)
+        yield self.comm.Iallgatherv([data, MPI.BYTE],
+                                    [received, sizes.tolist(), None, MPI.BYTE])
+        return _unpickled(received, sizes)
+
+
+def _pickled(obj):
+    return np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+
+
+def _unpickled(received, sizes):
+    """The objects pickled one after another into ``received``, ``sizes`` bytes each."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(received[offsets[i]:offsets[i + 1]])
+            for i in range(len(sizes))]

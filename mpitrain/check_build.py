@@ -50,10 +50,20 @@ def _mpi_library():
 
 
 def _gpu_lines(torch, tensorflow):
-    from mpitrain import basics
+    from mpitrain import basics, config
+    from mpitrain.gpu import selection
     cuda, nccl = basics.cuda_built(), basics.nccl_built()
     lines = [f"  {_mark(cuda)} CUDA: cuda_built() is {cuda}",
              f"  {_mark(nccl)} NCCL: nccl_built() is {nccl}"]
+    try:
+        settings = config.from_environ()
+    except ValueError as error:
+        lines.append(f"  [!] {error}")
+        settings = config.Config()
+    # MPI answers whether it is CUDA-aware only once it has started.
+    cuda_aware = None if settings.cuda_aware == "auto" else settings.cuda_aware == "1"
+    here = selection.local_facts(0, settings.gpu_operations, cuda_aware)
+    lines += ["  " + line for line in selection.describe_this_host(here)]
     seen = {}
     if torch is not None:
         seen["PyTorch"] = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -4,7 +4,8 @@ Every rank runs the same responses in the same order. ``entries`` maps a
 name to this rank's submission; a joined rank has none for an allreduce and
 contributes zeros. Allreduces run where their arrays live (host or CUDA
 device, through mpitrain.arrays); the other collectives move device arrays
-through host memory and share the host code.
+through host memory and share the host code. A round's device groups are
+prepared, and the ranks agree that they can run, before any data moves.
 """
 
 import math
@@ -14,16 +15,19 @@ import numpy as np
 
 from mpitrain import arrays, dtypes
 from mpitrain.channel import as_bytes
+from mpitrain.errors import GpuError
+from mpitrain.gpu import transport
 from mpitrain.ops import OpType, ReduceOp
 
 
 class Executor:
-    def __init__(self, channel, buffers, finish, timeline, devices):
+    def __init__(self, channel, buffers, finish, fail, timeline, devices):
         self.channel = channel
         self.buffers = buffers
         self.finish = finish          # finish(entry, value)
+        self.fail = fail              # fail(entry, error), this rank only
         self.timeline = timeline      # holder with .current: Timeline or None
-        self.devices = devices        # how device buffers reach MPI: DeviceTransport
+        self.devices = devices        # how device buffers travel: gpu.transport.DeviceTransport
 
     def run(self, group, entries):
         response = group.responses[0]
@@ -39,10 +43,10 @@ class Executor:
                 OpType.REDUCESCATTER: self._reducescatter}[kind]
         if entry.device < 0:
             result = yield from self._traced(group.names, kind.name, body(response, entry))
+            self.finish(entry, result)
         else:
-            result = yield from self._traced(group.names, kind.name,
-                                             self._through_host(body, response, entry))
-        self.finish(entry, result)
+            yield from self._traced(group.names, kind.name,
+                                    self._through_host(body, response, entry))
 
     def _traced(self, names, label, body):
         timeline = self.timeline.current
@@ -60,7 +64,78 @@ class Executor:
             factor /= self.channel.size
         return factor
 
+    # -- device groups: set up on every rank, agree, then move data ----------------
+
+    def prepare_devices(self, groups, entries):
+        """Set up what this round's device groups need, and agree on what failed.
+
+        Allocation, kernels, staging buffers and NCCL's communicator are made
+        here, before any rank starts moving data, so that a failure on one
+        rank fails the group on every rank instead of leaving the others in
+        MPI. Returns {id(group): message} for the groups that failed.
+        """
+        if self.devices.needs_setup(self.channel):
+            reducing = [g for g in groups if g.responses[0].kind == OpType.ALLREDUCE]
+            if reducing:
+                members = [entries.get(name) for name in reducing[0].names]
+                yield from self.devices.set_up(
+                    self.channel, self._backend(reducing[0].responses[0], members))
+        problems = {}
+        for index, group in enumerate(groups):
+            try:
+                self._prepare(group, entries)
+            except GpuError as error:          # already says what it is
+                problems[index] = str(error)
+            except Exception as error:
+                problems[index] = f"{type(error).__name__}: {error}"
+        if not (yield from self.channel.agree(bool(problems))):
+            return {}
+        reports = yield from self.channel.allgather_objects(problems)
+        failed = {}
+        for index, group in enumerate(groups):
+            ranks_of = {}
+            for rank, report in enumerate(reports):
+                if index in report:
+                    ranks_of.setdefault(report[index], []).append(rank)
+            if ranks_of:
+                failed[id(group)] = (
+                    f"{group.responses[0].kind.label} of "
+                    f"{', '.join(repr(name) for name in group.names)} failed: the GPU "
+                    "path could not be set up (" + "; ".join(
+                        f"rank{'s' if len(ranks) > 1 else ''} "
+                        f"{', '.join(map(str, ranks))}: {cause}"
+                        for cause, ranks in ranks_of.items()) + ")")
+        return failed
+
+    def _prepare(self, group, entries):
+        response = group.responses[0]
+        members = [entries.get(name) for name in group.names]
+        if response.kind != OpType.ALLREDUCE:
+            entry = members[0]        # these travel through host memory: take it there now
+            backend = arrays.device(entry.device)
+            backend.wait_for_inputs([entry])
+            entry.input = backend.to_numpy(entry.input)
+            return
+        backend = self._backend(response, members)
+        self.devices.check(backend)
+        backend.wait_for_inputs(members)
+        wire = dtypes.BY_CODE[response.dtype].reduce_as
+        backend.kernels(wire)
+        self.buffers.get(wire, group.total, backend)
+        if self.channel.size > 1 and self.devices.route(wire) == transport.STAGED:
+            backend.pinned(wire, group.total)
+        for response, member in zip(group.responses, members):
+            if member is not None and member.output is None:
+                member.output = backend.empty(response.shape, member.dtype.numpy)
+
     # -- allreduce, on the host or on a device -----------------------------------
+
+    def _backend(self, response, members):
+        """Where the group's arrays live; a joined rank has none and uses its GPU."""
+        for member in members:
+            if member is not None:
+                return arrays.of(member.input)
+        return arrays.HOST if response.device < 0 else arrays.current_device()
 
     def _allreduce(self, group, entries):
         first = group.responses[0]
@@ -68,10 +143,13 @@ class Executor:
         wire = dtype.reduce_as
         factor = self._scale_after(first)
         members = [entries.get(name) for name in group.names]
+        if self.channel.size == 1 and _in_place_and_unscaled(first, factor, members):
+            for member in members:           # one rank, nothing to add or scale
+                if member is not None:
+                    self.finish(member, member.output)
+            return
         entry = members[0]
-        backend = (arrays.of(entry.input) if entry is not None
-                   else arrays.HOST if first.device < 0 else arrays.current_device())
-        backend.wait_for_inputs(members)
+        backend = self._backend(first, members)
         if (len(members) == 1 and entry is not None and entry.dtype is dtype
                 and dtype.numpy == wire):
             yield from self._allreduce_alone(first, entry, factor, backend)
@@ -79,12 +157,12 @@ class Executor:
         whole = self.buffers.get(wire, group.total, backend)
         buffer = whole[:group.total]
         names = group.names
-        sources = [backend.zeros(count, wire) if member is None else member.input
-                   for member, count in zip(members, group.counts)]
+        sources = [None if member is None else member.input for member in members]
         yield from self._traced(names, "MEMCPY_IN_FUSION_BUFFER",
-                                _now(backend.pack, sources, buffer, first.prescale))
+                                _now(backend.pack, sources, group.counts, buffer,
+                                     first.prescale))
         yield from self._traced(names, "MPI_ALLREDUCE",
-                                self._reduce(buffer, first.op, None, backend))
+                                self._reduce(buffer, first.op, backend))
         done, views, outputs, offsets = [], [], [], []
         for response, member, view, start in zip(group.responses, members,
                                                  group.views(whole), group.starts):
@@ -117,49 +195,50 @@ class Executor:
             prescale, factor = prescale * factor, 1.0
         if output is not entry.input or prescale != 1.0:
             backend.scale_into(entry.input, prescale, output)
-        scale = (None if factor == 1.0 else
-                 (lambda chunk: backend.scale_into(chunk, factor, chunk)))
         yield from self._traced([response.name], "MPI_ALLREDUCE",
-                                self._reduce(output.reshape(-1), response.op, scale,
-                                             backend))
+                                self._reduce(output.reshape(-1), response.op, backend,
+                                             factor))
         if entry.output is not None and output is not entry.output:
             backend.scale_into(output, 1.0, entry.output)
             output = entry.output
         backend.settle()
         self.finish(entry, output)
 
-    def _reduce(self, buffer, op, each, backend):
-        """Allreduce a 1-D buffer in place, then run each(chunk) on the result."""
-        if backend is arrays.HOST:
-            yield from self.channel.allreduce(buffer, op, each)
-            return
-        nccl = yield from self.devices.nccl_for(buffer.dtype, self.channel, backend)
-        if nccl is not None:
-            with backend.active():
-                nccl.allreduce(buffer, op, backend.stream)
-        elif self.devices.cuda_aware:
-            backend.settle()          # MPI reads device memory: it must be ready
-            yield from self.channel.allreduce(buffer, op)
-        else:
-            host = backend.pinned(buffer.dtype, buffer.size)
-            backend.to_host(buffer, host)
-            yield from self.channel.allreduce(host, op)
-            backend.from_host(host, buffer)
-        if each is not None:
-            each(buffer)
+    def _reduce(self, buffer, op, backend, factor=1.0):
+        """Allreduce a 1-D buffer in place across the set, then multiply it by factor."""
+        scale = None if factor == 1.0 else (
+            lambda start, stop: backend.scale_into(buffer[start:stop], factor,
+                                                   buffer[start:stop]))
+        if self.channel.size > 1:
+            if backend is arrays.HOST:
+                # Scale each chunk right after its MPI call, while it is in cache.
+                yield from self.channel.allreduce(buffer, op, after=scale)
+                return
+            yield from self.devices.allreduce(buffer, op, self.channel, backend)
+        if scale is not None:
+            scale(0, buffer.size)
 
     # -- the other collectives, in host memory -----------------------------------
 
     def _through_host(self, body, response, entry):
-        """Run a host collective on a device entry: in through, and back to, the device."""
-        backend = arrays.of(entry.input)
-        backend.wait_for_inputs([entry])
-        host = types.SimpleNamespace(input=backend.to_numpy(entry.input), output=None,
-                                     dtype=entry.dtype, splits=entry.splits)
+        """Run a host collective on a device entry, whose input prepare_devices
+        took to host memory, and bring the result back to the device."""
+        backend = arrays.device(entry.device)
+        host = types.SimpleNamespace(input=entry.input, output=None, dtype=entry.dtype,
+                                     splits=entry.splits)
         result = yield from body(response, host)
-        if isinstance(result, tuple):                 # alltoall: (rows, received splits)
-            return (backend.from_numpy(result[0]),) + result[1:]
-        return backend.from_numpy(result, entry.output)
+        try:
+            if isinstance(result, tuple):             # alltoall: (rows, received splits)
+                result = (backend.from_numpy(result[0]),) + result[1:]
+            else:
+                result = backend.from_numpy(result, entry.output)
+        except Exception as error:    # the others have their results: fail only here
+            self.fail(entry, GpuError(
+                f"{response.kind.label} of '{response.name}' failed on rank "
+                f"{self.channel.rank}: its result could not be copied back to GPU "
+                f"{entry.device}: {type(error).__name__}: {error}"))
+            return
+        self.finish(entry, result)
 
     def _allgather(self, response, entry):
         row = math.prod(response.shape) * entry.dtype.numpy.itemsize
@@ -213,6 +292,12 @@ class Executor:
         arrays.scale_into(received.reshape(output.shape), self._scale_after(response),
                           output)
         return output
+
+
+def _in_place_and_unscaled(response, factor, members):
+    """Would the allreduce of one rank leave every tensor as it is?"""
+    return (response.prescale == 1.0 and factor == 1.0
+            and all(member is None or member.output is member.input for member in members))
 
 
 def _now(function, *args):

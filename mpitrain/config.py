@@ -26,7 +26,7 @@ class Config:
     abort_on_exception: bool = True        # an unhandled exception aborts the whole job
     elastic_reset_limit: int = 3           # resets elastic.run tries before giving up; 0: no limit
     cuda_aware: str = "auto"               # does MPI take device buffers: auto, 1, 0
-    gpu_operations: str = "mpi"            # device allreduces over mpi or nccl
+    gpu_operations: str = "auto"           # device allreduces over nccl, mpi, or auto
     explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
 
 
@@ -100,7 +100,8 @@ _VARIABLES = {
     "elastic_reset_limit": ("ELASTIC_RESET_LIMIT", _nonnegative_int,
                             "a whole number of resets >= 0 (0: no limit)"),
     "cuda_aware": ("CUDA_AWARE", _choice("auto", "1", "0"), "auto, 1 or 0"),
-    "gpu_operations": ("GPU_OPERATIONS", _choice("mpi", "nccl"), "mpi or nccl"),
+    "gpu_operations": ("GPU_OPERATIONS", _choice("auto", "mpi", "nccl"),
+                       "auto, mpi or nccl"),
 }
 
 

@@ -17,9 +17,9 @@ from mpitrain.cache import CACHEABLE, HIT, INVALID, ResponseCache
 from mpitrain.channel import Channel
 from mpitrain.collectives import Executor
 from mpitrain.coordinator import Coordinator
-from mpitrain.device_transport import DeviceTransport
 from mpitrain.entries import CACHED, QUEUED, SENT
-from mpitrain.errors import ERROR_CLASSES, MpitrainInternalError
+from mpitrain.errors import ERROR_CLASSES, GpuError, MpitrainInternalError
+from mpitrain.gpu.transport import DeviceTransport
 from mpitrain.handles import notify_waiters
 from mpitrain.messages import Response
 from mpitrain.ops import OpType
@@ -56,8 +56,9 @@ class SetController:
                       if config.autotune and blocking and self.rank == 0 else None)
         self.buffers = fusion.FusionBuffers()
         self.executor = Executor(
-            self.channel, self.buffers, self._finish, engine.timeline,
-            DeviceTransport(engine.cuda_aware, config.gpu_operations == "nccl"))
+            self.channel, self.buffers, self._finish, self._fail, engine.timeline,
+            DeviceTransport(engine.device_plan, engine.cuda_aware,
+                            engine.topology.node, set_id))
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.incoming = []            # entries not yet seen by the engine
         self.pending = {}             # name -> Handle the engine is negotiating
@@ -200,9 +201,14 @@ class SetController:
         self.progressed = bool(groups)
         if groups:
             self.last_progress = time.monotonic()
-            if any(group.responses[0].kind in _MOVES_DATA for group in groups):
+            on_device = [group for group in groups if group.responses[0].device >= 0
+                         and group.responses[0].kind in _MOVES_DATA]
+            failed = {}
+            if on_device:
+                failed = yield from self.executor.prepare_devices(on_device, self.pending)
+            elif any(group.responses[0].kind in _MOVES_DATA for group in groups):
                 yield from self.channel.arrive()
-            yield from self._execute(groups)
+            yield from self._execute(groups, failed)
             if self.tuner:
                 reduced = [g for g in groups if g.nbytes]      # allreduces only
                 self.tuner.observe([n for g in reduced for n in g.names],
@@ -324,7 +330,9 @@ class SetController:
         responses = yield from self.channel.bcast_object(responses)
         return responses
 
-    def _execute(self, groups):
+    def _execute(self, groups, failed):
+        """Run the round's groups in order; ``failed`` maps id(group) to why it
+        fails on every rank without running."""
         timeline = self.engine.timeline.current
         entries = self.pending
         if timeline is not None:
@@ -333,7 +341,11 @@ class SetController:
         for group in groups:
             response = group.responses[0]
             kind = response.kind
-            if kind == OpType.ERROR:
+            if id(group) in failed:
+                for name in group.names:
+                    if name in entries:
+                        self._fail(entries[name], GpuError(failed[id(group)]))
+            elif kind == OpType.ERROR:
                 entry = entries.get(response.name)
                 if entry is not None:    # a joined rank submitted nothing
                     error_class = ERROR_CLASSES.get(response.error_kind,

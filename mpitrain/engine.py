@@ -13,7 +13,6 @@ import traceback
 
 from mpi4py import MPI
 
-from mpitrain import cuda_aware
 from mpitrain.controller import EngineStopped, SetController
 from mpitrain.errors import ShutdownError
 from mpitrain.handles import notify_waiters
@@ -35,10 +34,11 @@ class TimelineHolder:
 
 
 class Engine:
-    def __init__(self, topology, config):
+    def __init__(self, topology, config, cuda_aware, device_plan):
         self.topology = topology
         self.config = config
-        self.cuda_aware = cuda_aware.resolve(config.cuda_aware)
+        self.cuda_aware = cuda_aware          # MPI reads device memory on this rank
+        self.device_plan = device_plan        # mpitrain.gpu.selection.Plan, job-wide
         self._mutex = threading.Lock()      # entered directly on the hot path
         self.lock = threading.Condition(self._mutex)
         self.timeline = TimelineHolder()

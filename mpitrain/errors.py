@@ -24,6 +24,10 @@ class CollectiveNotImplementedError(MpitrainInternalError, NotImplementedError):
     """The requested operation exists in Horovod but not in mpitrain."""
 
 
+class GpuError(MpitrainInternalError):
+    """The GPU path could not run a collective: a transport, buffer or kernel failed."""
+
+
 class ShutdownError(MpitrainInternalError):
     """The engine stopped: a rank shut down, a stall timed out, or MPI failed."""
 

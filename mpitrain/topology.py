@@ -36,6 +36,7 @@ class Topology:
     local_size: int
     cross_rank: int
     cross_size: int
+    node: int                  # job rank of the first rank on this rank's node
     homogeneous: bool
     threads_multiple: bool
 
@@ -83,6 +84,7 @@ def build(comm=None):
         comm=job, rank=job.rank, size=job.size,
         local_rank=local.rank, local_size=local.size,
         cross_rank=cross.rank, cross_size=cross.size,
+        node=local.bcast(job.rank, root=0),
         homogeneous=len(set(local_sizes)) == 1,
         threads_multiple=provided >= MPI.THREAD_MULTIPLE)
     local.Free()

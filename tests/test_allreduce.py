@@ -16,7 +16,7 @@ def rank_values(shape, dtype, rank):
     return ((np.arange(count) % 5) + rank + 1).reshape(shape).astype(dtype)
 
 
-@mpi_test()
+@mpi_test(np=(1, 2, 3))
 def test_sum_min_max_product_average_every_dtype():
     r, n = mt.rank(), mt.size()
     for dtype in DTYPES:
@@ -45,16 +45,19 @@ def test_average_is_the_default_op_and_average_flag_still_works():
     np.testing.assert_allclose(mt.allreduce(x, average=False), sum(range(n)))
 
 
-@mpi_test()
+@mpi_test(np=(1, 2, 3))
 def test_input_is_not_modified_and_output_is_new():
     x = np.arange(10, dtype=np.float32) + mt.rank()
     before = x.copy()
     out = mt.allreduce(x, op=mt.Sum)
     np.testing.assert_array_equal(x, before)
     assert out is not x and not np.shares_memory(out, x)
+    in_place = mt.allreduce_async(x, op=mt.Sum, output=x)
+    assert mt.synchronize(in_place) is x
+    np.testing.assert_array_equal(x, sum(before - mt.rank() + k for k in range(mt.size())))
 
 
-@mpi_test()
+@mpi_test(np=(1, 2, 3))
 def test_prescale_and_postscale():
     r, n = mt.rank(), mt.size()
     x = np.full(4, r + 1.0, dtype=np.float64)
@@ -64,7 +67,7 @@ def test_prescale_and_postscale():
     np.testing.assert_allclose(got, 3.0 * sum(k + 1.0 for k in range(n)) / n)
 
 
-@mpi_test()
+@mpi_test(np=(1, 2, 3))
 def test_16_bit_floats_accumulate_in_float32():
     """Summing in float16 would round after every rank; float32 rounds once."""
     r, n = mt.rank(), mt.size()
@@ -77,7 +80,7 @@ def test_16_bit_floats_accumulate_in_float32():
         np.testing.assert_array_equal(got.astype(np.float32), exact.astype(np.float32))
 
 
-@mpi_test()
+@mpi_test(np=(1, 2, 3))
 def test_scalars_empty_and_noncontiguous_arrays():
     r, n = mt.rank(), mt.size()
     assert mt.allreduce(np.float64(r), op=mt.Sum) == sum(range(n))

@@ -1,11 +1,16 @@
 """The GPU path: CuPy arrays, torch CUDA tensors, TensorFlow GPU tensors.
 
 Skipped where CuPy finds no CUDA device. On a GPU machine these run the same
-checks as the CPU tests: fused and lone allreduces, float16 accumulated in
-float32, staging through the host, NCCL, the other collectives, cross-rank
-errors. Ranks share the machine's GPUs round-robin by local rank.
+checks as the CPU tests, on the transport the job chooses (run them once per
+transport: MPITRAIN_GPU_OPERATIONS=nccl, a CUDA-aware MPI, a plain one) and,
+where a test says so, staged through host memory. Ranks share the machine's
+GPUs round-robin by local rank; NCCL, which needs a GPU for each rank, skips
+where there are fewer GPUs than ranks.
 """
 
+import gc
+
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,68 +20,174 @@ from tests.mpi_harness import mpi_test
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     arrays.cupy() is None,
-    reason="no CUDA device: CuPy is not installed (pip install mpitrain[gpu]) "
-           "or finds no GPU")]
+    reason=f"no CUDA device here: {arrays.why_no_cupy()} (pip install mpitrain[gpu] on "
+           "a CUDA machine)")]
+
+GPUS = arrays.cupy().cuda.runtime.getDeviceCount() if arrays.cupy() is not None else 0
+STAGED = {"MPITRAIN_GPU_OPERATIONS": "mpi", "MPITRAIN_CUDA_AWARE": "0"}
+NCCL = {"MPITRAIN_GPU_OPERATIONS": "nccl"}
+
+
+def runnable(nprocs, env):
+    """Why this machine cannot run a job of ``nprocs`` ranks with this environment."""
+    if env.get("MPITRAIN_GPU_OPERATIONS") == "nccl" and 1 < nprocs and GPUS < nprocs:
+        return (f"NCCL needs a GPU for each rank: {nprocs} ranks, {GPUS} GPU(s) here "
+                "(init() refuses such a job, see test_nccl_on_a_shared_gpu_fails_init)")
+    return None
 
 
 def use_my_gpu():
     cupy = arrays.cupy()
-    cupy.cuda.Device(mt.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    cupy.cuda.Device(mt.local_rank() % GPUS).use()
     return cupy
 
 
-def fused_and_alone_sums():
+def as_bfloat16(cupy, values):
+    """A CuPy bfloat16 array (CuPy 14 holds ml_dtypes.bfloat16), made from its bits."""
+    host = np.asarray(values, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return cupy.asarray(host.view(np.uint16)).view(ml_dtypes.bfloat16)
+
+
+def fused_alone_and_16_bit():
     cupy = use_my_gpu()
     r, n = mt.rank(), mt.size()
     small = [cupy.full(1000 + i, r + i, cupy.float32) for i in range(20)]
     big = cupy.full(3 * 1024 * 1024, r + 1, cupy.float32)        # reduced alone
-    half = cupy.full(500, 0.1 * (r + 1), cupy.float16)            # float32 on the wire
+    values = np.float32([2049.0, 0.1, 65504.0 / 8, -3.3, 1e-4])
+    wide = {np.dtype(np.float16): [(values + k * 0.7).astype(np.float16) for k in range(n)],
+            np.dtype(ml_dtypes.bfloat16): [(values + k * 0.7).astype(ml_dtypes.bfloat16)
+                                           for k in range(n)]}
+    half = cupy.asarray(wide[np.dtype(np.float16)][r])
+    brain = as_bfloat16(cupy, wide[np.dtype(ml_dtypes.bfloat16)][r])
     handles = [mt.allreduce_async(a, name=f"small.{i}", op=mt.Sum)
                for i, a in enumerate(small)]
     handles.append(mt.allreduce_async(big, name="big"))
     handles.append(mt.allreduce_async(half, name="half", op=mt.Sum))
+    handles.append(mt.allreduce_async(brain, name="brain", op=mt.Sum))
+    handles.append(mt.allreduce_async(cupy.full(7, r, cupy.int32), name="int", op=mt.Max))
     results = [mt.synchronize(h) for h in handles]
     for i, result in enumerate(results[:20]):
-        assert isinstance(result, cupy.ndarray)
+        assert isinstance(result, cupy.ndarray) and result is not small[i]
         assert (result == sum(k + i for k in range(n))).all()
     assert (results[20] == sum(k + 1 for k in range(n)) / n).all()
-    exact = sum(np.float32(np.float16(0.1 * (k + 1))) for k in range(n))
-    assert (results[21].get() == np.float16(exact)).all()
+    for result, (dtype, inputs) in zip(results[21:23], wide.items()):
+        assert result.dtype == dtype
+        exact = sum(x.astype(np.float32) for x in inputs).astype(dtype)
+        got = result.view(np.uint16).get().view(dtype)
+        np.testing.assert_array_equal(got.astype(np.float32), exact.astype(np.float32))
+    assert (results[23] == n - 1).all()
+    assert (small[0] == r).all(), "an out-of-place allreduce changed its input"
 
 
-@mpi_test(np=(2, 3))
-def test_cupy_allreduce_through_the_default_path():
-    fused_and_alone_sums()
+@mpi_test(np=(1, 2, 3), skip=runnable)
+def test_fused_alone_and_16_bit_allreduce_on_the_chosen_transport():
+    fused_alone_and_16_bit()
 
 
-@mpi_test(np=(2,), env={"MPITRAIN_CUDA_AWARE": "0"})
-def test_cupy_allreduce_staged_through_host_memory():
-    fused_and_alone_sums()
+@mpi_test(np=(2, 3), env=STAGED)
+def test_fused_alone_and_16_bit_allreduce_staged_through_host_memory():
+    fused_alone_and_16_bit()
 
 
-@mpi_test(np=(2,), env={"MPITRAIN_GPU_OPERATIONS": "nccl"})
-def test_cupy_allreduce_over_nccl():
-    fused_and_alone_sums()
+@mpi_test(np=(1, 2), env=NCCL, skip=runnable)
+def test_fused_alone_and_16_bit_allreduce_over_nccl():
+    assert mt.basics.engine().device_plan.nccl
+    fused_alone_and_16_bit()
 
 
-@mpi_test(np=(2,))
-def test_in_place_average_and_the_other_collectives_on_the_device():
+@mpi_test(np=(2,), env=NCCL, init=False,
+          skip=lambda nprocs, env: None if GPUS < nprocs else
+          "every rank has a GPU of its own here")
+def test_nccl_on_a_shared_gpu_fails_init_on_every_rank_and_says_what_instead():
+    with pytest.raises(ValueError) as raised:
+        mt.init()
+    message = str(raised.value)
+    assert message.startswith("init() failed on ranks 0, 1: MPITRAIN_GPU_OPERATIONS=nccl "
+                              "cannot work here: ranks 0, 1 share the 1 GPU of host")
+    assert "Use MPITRAIN_GPU_OPERATIONS=mpi" in message
+
+
+@mpi_test(np=(2,), skip=lambda nprocs, env: (
+    "the environment chooses the transport" if "MPITRAIN_GPU_OPERATIONS" in env else
+    "every rank has a GPU of its own here" if GPUS >= nprocs else None))
+def test_by_default_ranks_sharing_a_gpu_use_mpi_and_say_why():
+    plan = mt.basics.engine().device_plan
+    assert not plan.nccl and "share the 1 GPU of host" in plan.reason
+
+
+def in_place_and_the_other_collectives():
     cupy = use_my_gpu()
     r, n = mt.rank(), mt.size()
     grads = [cupy.full((30, 7), float(r), cupy.float32) for _ in range(3)]
+    grads.append(cupy.full(2 * 1024 * 1024, float(r), cupy.float32))     # alone
+    grads.append(cupy.full((8, 6), float(r), cupy.float32)[:, ::2])      # strided
     handles = [mt.allreduce_async(g, name=f"grad.{i}", output=g) for i, g in enumerate(grads)]
     for handle, g in zip(handles, grads):
         assert mt.synchronize(handle) is g and (g == sum(range(n)) / n).all()
     gathered = mt.allgather(cupy.full((r + 1, 2), r, cupy.int32))
     assert isinstance(gathered, cupy.ndarray) and gathered.shape == (sum(range(1, n + 1)), 2)
-    assert (mt.broadcast(cupy.full(4, r, cupy.float64), root_rank=1) == 1).all()
+    assert (gathered[-n:] == n - 1).all()
+    root = n - 1
+    assert (mt.broadcast(cupy.full(4, r, cupy.float64), root_rank=root) == root).all()
+    target = cupy.full(3, r, cupy.float32)
+    assert mt.synchronize(mt.broadcast_async(target, root, output=target)) is target
+    assert (target == root).all()
     rows, received = mt.alltoall(cupy.arange(2 * n, dtype=cupy.float32))
-    assert rows.shape == (2 * n,) and list(received) == [2] * n
+    assert isinstance(rows, cupy.ndarray) and rows.shape == (2 * n,)
+    assert list(received) == [2] * n
     part = mt.reducescatter(cupy.ones((n, 3), cupy.float32), op=mt.Sum)
     assert part.shape == (1, 3) and (part == n).all()
+    brain = mt.allgather(as_bfloat16(cupy, [r + 0.5]))
+    assert brain.dtype == ml_dtypes.bfloat16
+    assert list(brain.view(np.uint16).get().view(ml_dtypes.bfloat16).astype(float)) == \
+        [k + 0.5 for k in range(n)]
 
 
-@mpi_test(np=(2,))
+@mpi_test(np=(1, 2, 3), skip=runnable)
+def test_in_place_and_the_other_collectives_on_the_chosen_transport():
+    in_place_and_the_other_collectives()
+
+
+@mpi_test(np=(2,), env=STAGED)
+def test_in_place_and_the_other_collectives_staged_through_host_memory():
+    in_place_and_the_other_collectives()
+
+
+@mpi_test(np=(2, 3), env=dict(STAGED, MPITRAIN_CHUNK_SIZE=str(1 << 20)))
+def test_a_staged_allreduce_of_many_chunks_pipelines_to_the_right_sum():
+    cupy = use_my_gpu()
+    r, n = mt.rank(), mt.size()
+    count = 16 * 1024 * 1024                      # 64 MiB: 64 chunks of 1 MiB
+    x = cupy.arange(count, dtype=cupy.float32) % 1000 + r
+    out = mt.allreduce(x, op=mt.Sum)
+    want = (cupy.arange(count, dtype=cupy.float32) % 1000) * n + sum(range(n))
+    assert bool((out == want).all())
+    fused = [cupy.full(100_000, float(r + i), cupy.float32) for i in range(30)]   # 12 MB
+    for i, result in enumerate(mt.grouped_allreduce(fused, op=mt.Sum)):
+        assert bool((result == sum(k + i for k in range(n))).all())
+
+
+@mpi_test(np=(3,), skip=runnable)
+def test_a_process_set_reduces_device_buffers_among_its_members():
+    cupy = use_my_gpu()
+    r = mt.rank()
+    outer = mt.add_process_set([0, 2])
+    try:
+        if outer.included():
+            small = [cupy.full(100, r + i, cupy.float32) for i in range(5)]
+            big = cupy.full(1 << 20, r, cupy.float32)
+            results = mt.grouped_allreduce(small + [big], op=mt.Sum, process_set=outer)
+            for i, result in enumerate(results[:5]):
+                assert (result == 2 + 2 * i).all()
+            assert (results[5] == 2).all()
+        everyone = mt.allreduce(cupy.ones(10, cupy.float32), op=mt.Sum, name="everyone")
+        assert (everyone == 3).all()
+    finally:
+        mt.barrier()
+        mt.remove_process_set(outer)
+
+
+@mpi_test(np=(2,), skip=runnable)
 def test_cross_rank_errors_on_the_device():
     cupy = use_my_gpu()
     with pytest.raises(mt.MismatchError, match="mismatched shapes"):
@@ -87,32 +198,183 @@ def test_cross_rank_errors_on_the_device():
     assert (mt.allreduce(cupy.ones(2), op=mt.Sum) == mt.size()).all()
 
 
-@mpi_test(np=(2,))
-def test_torch_cuda_training_matches_the_cpu():
+@mpi_test(np=(1, 2), skip=runnable)
+def test_an_input_freed_or_written_by_a_queued_kernel_before_synchronize():
+    """The handle keeps its input alive; the engine waits for kernels queued
+    before the submission. (Writing to an input after submitting it, before
+    synchronize() returns, is the user's error: see docs/gpu.md.)"""
+    cupy = use_my_gpu()
+    r, n = mt.rank(), mt.size()
+    handle = mt.allreduce_async(cupy.full(1 << 16, r + 1.0, cupy.float32), op=mt.Sum)
+    gc.collect()
+    assert (mt.synchronize(handle) == sum(range(1, n + 1))).all()
+    slow_fill = cupy.RawKernel(r"""
+    extern "C" __global__ void slow_fill(float* x, long long n, float value,
+                                         long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) x[i] = value;
+    }""", "slow_fill")
+    for name, size in (("slow.small", 1000), ("slow.big", 1 << 20)):
+        x = cupy.zeros(size, cupy.float32)
+        slow_fill((1,), (256,), (x, np.int64(size), np.float32(r + 1), np.int64(200_000_000)))
+        result = mt.allreduce(x, op=mt.Sum, name=name)          # submitted at once
+        assert (result == sum(range(1, n + 1))).all(), name
+
+
+@mpi_test(np=(2,), skip=runnable)
+def test_a_device_allocation_failing_on_one_rank_fails_the_allreduce_on_every_rank():
+    cupy = use_my_gpu()
+    r = mt.rank()
+    x = cupy.ones(16 << 20, cupy.float32)             # 64 MiB
+    mt.synchronize(mt.allreduce_async(x, name="oom", output=x))     # kernels, buffers
+    mt.barrier()
+    hog = None
+    if r == 1:        # in place, rank 0 allocates nothing; rank 1 needs 64 MiB for its result
+        cupy.get_default_memory_pool().free_all_blocks()
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        hog = cupy.cuda.runtime.malloc(free - (16 << 20))
+    try:
+        handle = mt.allreduce_async(x, name="oom", output=x if r == 0 else None)
+        with pytest.raises(mt.MpitrainInternalError) as raised:
+            mt.synchronize(handle)
+    finally:
+        if hog is not None:
+            cupy.cuda.runtime.free(hog)
+    assert type(raised.value).__name__ == "GpuError"
+    assert str(raised.value).startswith("allreduce of 'oom' failed: the GPU path could not "
+                                        "be set up (rank 1: OutOfMemoryError")
+    mt.barrier()
+    assert (mt.allreduce(x, op=mt.Sum, name="oom") == 2).all()     # nothing left broken
+
+
+# -- PyTorch ----------------------------------------------------------------------
+
+def torch_device():
+    import torch
+    use_my_gpu()
+    torch.cuda.set_device(mt.local_rank() % GPUS)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def train(where, steps=4, **options):
+    """A model trained on rank-dependent data, after and before the broadcasts."""
     import torch
     import mpitrain.torch as hvd
-    use_my_gpu()
-    device = torch.device("cuda", torch.cuda.current_device())
-    results = {}
-    for where in ("cpu", device):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(),
-                                    torch.nn.Linear(30, 2)).to(where)
-        optimizer = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            named_parameters=[(f"{where}.{n}", p) for n, p in model.named_parameters()])
-        generator = torch.Generator().manual_seed(hvd.rank())
-        for _ in range(3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(),
+                                torch.nn.Linear(30, 2)).to(where)
+    if hvd.rank() != 0:                    # broadcast_parameters must undo this
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[(f"{where}.{n}", p) for n, p in model.named_parameters()],
+        **options)
+    passes = options.get("backward_passes_per_step", 1)
+    generator = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for _ in range(passes):
             x = torch.randn(8, 20, generator=generator).to(where)
-            optimizer.zero_grad()
-            model(x).square().mean().backward()
-            optimizer.step()
-        results[str(where)] = [p.detach().cpu() for p in model.parameters()]
-    for cpu, gpu in zip(*results.values()):
-        assert torch.allclose(cpu, gpu, atol=1e-5)
+            (model(x).square().mean() / passes).backward()
+        optimizer.step()
+    if hvd.rank() != 0:                    # broadcast_optimizer_state must undo this
+        for state in optimizer.state.values():
+            state["momentum_buffer"].add_(1.0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return model, optimizer
 
 
-@mpi_test(np=(2,))
+@mpi_test(np=(1, 2, 3), skip=runnable)
+def test_torch_cuda_training_with_overlap_fp16_and_accumulation_matches_the_cpu():
+    import torch
+    import mpitrain.torch as hvd
+    device = torch_device()
+    for options in ({"overlap": True}, {"overlap": True, "backward_passes_per_step": 2},
+                    {"compression": hvd.Compression.fp16}):
+        (cpu, _), (gpu, gpu_optimizer) = [train(where, **options)
+                                          for where in ("cpu", device)]
+        for p, q in zip(cpu.parameters(), gpu.parameters()):
+            assert q.is_cuda
+            torch.testing.assert_close(p, q.cpu(), atol=1e-4, rtol=1e-4, msg=str(options))
+        momentum = [s["momentum_buffer"] for s in gpu_optimizer.state.values()]
+        assert momentum and all(m.is_cuda for m in momentum)
+        mine = [t.detach().cpu() for t in list(gpu.parameters()) + momentum]
+        for other in hvd.allgather_object(mine):
+            assert all(torch.equal(a, b) for a, b in zip(mine, other)), \
+                "parameters or optimizer state differ between ranks"
+
+
+@mpi_test(np=(1,))
+def test_torch_cuda_step_on_one_rank_is_the_plain_step():
+    import torch
+    import mpitrain.torch as hvd
+    device = torch_device()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(50, 50).to(device)
+    plain = torch.nn.Linear(50, 50).to(device)
+    plain.load_state_dict(model.state_dict())
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         compression=hvd.Compression.fp16)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x = torch.randn(16, 50, device=device)
+    for net, opt in ((model, optimizer), (plain, plain_optimizer)):
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+@mpi_test(np=(1, 2, 3), skip=runnable)
+def test_torch_bfloat16_cuda_tensors_reduce_in_float32_like_the_cpu():
+    import torch
+    import mpitrain.torch as hvd
+    device = torch_device()
+    r = hvd.rank()
+    values = torch.tensor([2049.0, 0.1, 65504.0 / 8, -3.3, 1e-4]) + 0.7 * r
+    for dtype in (torch.bfloat16, torch.float16):
+        cpu = values.to(dtype)
+        gpu = cpu.to(device)
+        want = hvd.allreduce(cpu, op=hvd.Sum, name=f"cpu.{dtype}")
+        got = hvd.allreduce(gpu, op=hvd.Sum, name=f"gpu.{dtype}")
+        assert got.dtype == dtype and got.is_cuda
+        assert torch.equal(got.cpu(), want)
+        hvd.allreduce_(gpu, name=f"gpu.{dtype}.in_place")
+        assert torch.equal(gpu.cpu(), hvd.allreduce(cpu, name=f"cpu.{dtype}.mean"))
+    model = torch.nn.Linear(10, 4).to(device, torch.bfloat16)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    model(torch.randn(3, 10, device=device, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    weights = hvd.allgather_object(model.weight.detach().cpu())
+    assert all(torch.equal(w, weights[0]) for w in weights)
+
+
+@mpi_test(np=(2, 3), skip=runnable)
+def test_torch_sync_batch_norm_on_cuda_matches_the_cpu():
+    import torch
+    import mpitrain.torch as hvd
+    device = torch_device()
+    generator = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randn(4, 3, 5, generator=generator)
+    outputs = {}
+    for where in ("cpu", device):
+        norm = hvd.SyncBatchNorm(3).to(where)
+        inputs = x.to(where).requires_grad_()
+        out = norm(inputs)
+        out.square().sum().backward()
+        outputs[str(where)] = (out.detach().cpu(), inputs.grad.cpu(),
+                               norm.running_mean.cpu())
+    for cpu, gpu in zip(*outputs.values()):
+        torch.testing.assert_close(cpu, gpu, atol=1e-5, rtol=1e-5)
+
+
+# -- TensorFlow -------------------------------------------------------------------
+
+@mpi_test(np=(2,), skip=runnable)
 def test_tensorflow_gpu_tensors():
     tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed here")
     import mpitrain.tensorflow as hvd
@@ -121,5 +383,8 @@ def test_tensorflow_gpu_tensors():
     with tf.device("GPU:0"):
         x = tf.fill([5], float(hvd.rank()))
         result = hvd.allreduce(x, op=hvd.Sum, name="tf.gpu")
+        brain = hvd.allreduce(tf.cast(x, tf.bfloat16), op=hvd.Sum, name="tf.gpu.bf16")
     assert "GPU" in result.device
     assert np.allclose(result.numpy(), sum(range(hvd.size())))
+    assert brain.dtype == tf.bfloat16
+    assert np.allclose(tf.cast(brain, tf.float32).numpy(), sum(range(hvd.size())))

@@ -18,6 +18,9 @@ def to_array(tensor):
     before handing it over), else a host copy.
     """
     if "GPU" in tensor.device.upper() and arrays.cupy() is not None:
+        if tensor.dtype == tf.bfloat16:         # CuPy may not take bfloat16 through DLPack
+            bits = tf.experimental.dlpack.to_dlpack(tf.bitcast(tensor, tf.int16))
+            return arrays.cupy().from_dlpack(bits).view(_BFLOAT16)
         return arrays.cupy().from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
     return np.asarray(tensor)
 
@@ -29,6 +32,9 @@ def to_tensor(array):
     afterwards. Arrays from mpitrain's collectives are fresh, so this holds.
     """
     if arrays.of(array) not in (arrays.HOST, None):      # a CuPy array on a GPU
+        if array.dtype == _BFLOAT16:
+            bits = tf.experimental.dlpack.from_dlpack(array.view(np.int16).toDlpack())
+            return tf.bitcast(bits, tf.bfloat16)
         return tf.experimental.dlpack.from_dlpack(array.toDlpack())
     if array.dtype == _BFLOAT16:        # DLPack has no bfloat16: move the bits
         return tf.bitcast(to_tensor(array.view(np.uint16)), tf.bfloat16)

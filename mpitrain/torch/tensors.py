@@ -1,8 +1,9 @@
 """Torch tensors as arrays for the core, and results back as tensors.
 
-CPU tensors share memory with the arrays in both directions: nothing is
-copied here. bfloat16 has no numpy type in torch, so it travels as an int16
-view that numpy reinterprets as ml_dtypes.bfloat16.
+Tensors share memory with the arrays in both directions: nothing is copied
+here. torch hands bfloat16 neither to numpy nor, through DLPack, to every
+CuPy, so it travels as an int16 view that numpy or CuPy (14 and later)
+reinterprets as ml_dtypes.bfloat16.
 """
 
 import ml_dtypes
@@ -25,10 +26,7 @@ def as_array(tensor, what="tensor"):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type == "cuda" and arrays.cupy() is not None:
-        if tensor.dtype == torch.bfloat16:
-            raise TypeError(f"{what}: bfloat16 on a GPU is not supported yet (CuPy "
-                            "has no bfloat16); use float16 or float32")
-        return arrays.cupy().from_dlpack(tensor.detach())
+        return _as_device_array(tensor.detach(), what)
     if tensor.device.type != "cpu":
         raise TypeError(
             f"{what} is on device '{tensor.device}', but mpitrain cannot move "
@@ -50,9 +48,24 @@ def as_array(tensor, what="tensor"):
                         f"supports {names}") from None
 
 
+def _as_device_array(tensor, what):
+    cupy = arrays.cupy()
+    if tensor.dtype != torch.bfloat16:
+        return cupy.from_dlpack(tensor)
+    bits = cupy.from_dlpack(tensor.view(torch.int16))
+    try:
+        return bits.view(_BFLOAT16)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: bfloat16 on a GPU needs CuPy 14 or later (this is "
+                        f"CuPy {cupy.__version__}); upgrade it, or use float16 or "
+                        "float32") from None
+
+
 def as_tensor(array):
     """A tensor sharing ``array``'s memory (CuPy arrays stay on their GPU)."""
     if arrays.of(array) not in (arrays.HOST, None):
+        if array.dtype == _BFLOAT16:
+            return torch.from_dlpack(array.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(array)
     if array.dtype == _BFLOAT16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)

@@ -1,8 +1,8 @@
-"""Allreduce on device buffers through NCCL (MPITRAIN_GPU_OPERATIONS=nccl).
+"""Allreduce on device buffers through NCCL.
 
 MPI still carries the negotiation and NCCL's unique id; the data moves over
 NCCL on the engine's stream. Dtypes NCCL lacks (16-bit integers) keep using
-MPI. Not run on the development machines (they have no GPU).
+MPI.
 """
 
 import numpy as np
@@ -10,10 +10,21 @@ import numpy as np
 from mpitrain.ops import ReduceOp
 
 
+def _module():
+    from cupy.cuda import nccl    # a submodule that `import cupy` does not load
+    return nccl
+
+
+def unique_id():
+    return _module().get_unique_id()
+
+
 class NcclAllreduce:
-    def __init__(self, unique_id, rank, size):
-        from cupy.cuda import nccl    # a submodule that `import cupy` does not load
-        self._nccl = nccl
+    """One NCCL communicator of a process set, bound to one device."""
+
+    def __init__(self, unique_id, rank, size, device):
+        nccl = _module()
+        self.device = device
         self._comm = nccl.NcclCommunicator(size, unique_id, rank)
         self._types = {np.dtype(t): getattr(nccl, name) for t, name in [
             (np.uint8, "NCCL_UINT8"), (np.int8, "NCCL_INT8"), (np.int32, "NCCL_INT32"),
@@ -22,11 +33,6 @@ class NcclAllreduce:
         self._ops = {ReduceOp.AVERAGE: nccl.NCCL_SUM, ReduceOp.SUM: nccl.NCCL_SUM,
                      ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX,
                      ReduceOp.PRODUCT: nccl.NCCL_PROD}
-
-    @staticmethod
-    def unique_id():
-        from cupy.cuda import nccl
-        return nccl.get_unique_id()
 
     def handles(self, dtype):
         return np.dtype(dtype) in self._types
