@@ -340,3 +340,38 @@ def test_overlap_sends_during_backward_and_without_it_step_sends_everything():
         results[overlap] = [p.detach().clone() for p in model.parameters()]
     for with_overlap, without in zip(results[True], results[False]):
         assert torch.equal(with_overlap, without)
+
+
+@mpi_test(np=(1, 2))
+def test_a_rank_alone_in_its_set_steps_like_the_plain_optimizer_and_sends_nothing():
+    import mpitrain as mt
+    alone = (hvd.global_process_set if hvd.size() == 1
+             else hvd.add_process_set([hvd.size() - 1]))
+    try:
+        controller = mt.basics.engine().controllers[0]
+        negotiations = controller.negotiations
+        if alone.included():
+            model, plain = make_model(), make_model()
+            optimizer = hvd.DistributedOptimizer(
+                sgd(model.parameters()), named_parameters=model.named_parameters(),
+                compression=hvd.Compression.fp16, backward_passes_per_step=2,
+                process_set=alone)
+            plain_optimizer = sgd(plain.parameters())
+            for step in range(3):
+                for net, opt in ((model, optimizer), (plain, plain_optimizer)):
+                    opt.zero_grad()
+                    for part in range(2):
+                        x, y = batch(2 * step + part, ROWS)
+                        (F.mse_loss(net(x), y) / 2).backward()
+                    opt.step()
+            # fp16 on the wire would have rounded the gradients: nothing travelled.
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                        plain.parameters()))
+            with pytest.raises(AssertionError, match="backward_passes_per_step=2"):
+                for _ in range(3):
+                    F.mse_loss(model(x), y).backward()
+        assert controller.negotiations == negotiations
+    finally:
+        hvd.barrier()
+        if alone is not hvd.global_process_set:
+            hvd.remove_process_set(alone)

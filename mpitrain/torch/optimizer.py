@@ -42,8 +42,12 @@ class _DistributedOptimizer:
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
-        self._overlap = (_communication_can_overlap(self._trained) if overlap is None
-                         else bool(overlap))
+        # Alone in its set, a rank has nothing to exchange: the average of one
+        # gradient is that gradient, so step() costs what the plain one does.
+        self._alone = process_set.included() and process_set.size() == 1
+        self._overlap = not self._alone and (
+            _communication_can_overlap(self._trained) if overlap is None
+            else bool(overlap))
         self._passes_left = {p: backward_passes_per_step for p in self._trained}
         self._group_of = _form_groups(self._trained, groups, self._names, process_set)
         self._group_arrived = dict.fromkeys(set(self._group_of.values()), 0)
@@ -142,6 +146,12 @@ class _DistributedOptimizer:
         ranks whose graphs differ do not wait for each other forever.
         """
         if not self._process_set.included():
+            self._synchronized = True
+            return
+        if self._alone:
+            for p in self._trained:
+                _gradient_of(p)        # zeros where backward gave none, as with peers
+            self._start_over()
             self._synchronized = True
             return
         errors = []
