@@ -3,12 +3,15 @@
 Run on a CUDA machine, one rank per GPU (or several ranks sharing one):
 
     mpitrainrun -np 2 python benchmarks/allreduce_gpu.py
-    MPITRAIN_GPU_OPERATIONS=nccl mpitrainrun -np 2 python benchmarks/allreduce_gpu.py
+    MPITRAIN_GPU_OPERATIONS=mpi MPITRAIN_CUDA_AWARE=0 mpitrainrun -np 2 python benchmarks/allreduce_gpu.py
 
 Same method as benchmarks/allreduce.py: slowest rank, medians of alternated
-repetitions. Baselines: one mpi4py Allreduce of a device buffer (only when MPI
-is CUDA-aware, else of a host copy) and one NCCL allReduce on CuPy's stream.
-Not run on the development machines, which have no GPU.
+repetitions, and the range of those medians over --rounds rounds. mpitrain
+runs as users call it: out of place (a new result array) and in place
+(output=), for one tensor and for the same bytes in 64 tensors. Baselines in
+the same processes: one mpi4py Allreduce of the device buffer where MPI is
+CUDA-aware (else of a host copy, copies included) and one NCCL allReduce on
+CuPy's stream, where NCCL can start (not with two ranks on one GPU).
 """
 
 import argparse
@@ -19,32 +22,54 @@ from mpi4py import MPI
 
 import mpitrain as mt
 from mpitrain import arrays
+from mpitrain.gpu import selection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import (  # noqa: E402
-    KiB, MiB, alternate, bus_bandwidth, mpitrain_in_place)
+from allreduce import KiB, MiB, alternate, bus_bandwidth, mpitrain_in_place  # noqa: E402
+
+SIZES = (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+
+
+def mpitrain_out_of_place(arrays_, prefix):
+    def run():
+        handles = [mt.allreduce_async(a, name=f"{prefix}.{i}", op=mt.Sum)
+                   for i, a in enumerate(arrays_)]
+        for handle in handles:
+            mt.synchronize(handle)
+    return run
+
+
+def start_nccl(cupy, world):
+    """(communicator, module), or (None, why) where NCCL cannot start on every rank."""
+    try:
+        from cupy.cuda import nccl
+        unique_id = world.bcast(nccl.get_unique_id() if world.rank == 0 else None)
+        communicator, problem = nccl.NcclCommunicator(world.size, unique_id, world.rank), ""
+    except Exception as error:
+        communicator, problem = None, f"{type(error).__name__}: {error}"
+    problems = [p for p in world.allgather(problem) if p]
+    return (communicator, nccl) if not problems else (None, problems[0])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repetitions", type=int, default=21)
+    parser.add_argument("--repetitions", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     mt.init()
     cupy = arrays.cupy()
     if cupy is None:
-        raise SystemExit("no CUDA device: this benchmark needs CuPy and a GPU")
+        raise SystemExit(f"no CUDA device: {arrays.why_no_cupy()}")
     cupy.cuda.Device(mt.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
     world = MPI.COMM_WORLD.Dup()
-    nccl = cupy.cuda.nccl
-    unique_id = world.bcast(nccl.get_unique_id() if world.rank == 0 else None)
-    communicator = nccl.NcclCommunicator(world.size, unique_id, world.rank)
-    cuda_aware = mt.basics.engine().cuda_aware
+    engine = mt.basics.engine()
+    communicator, nccl = start_nccl(cupy, world)
 
     def raw_mpi(buffer):
-        host = buffer.get()
-        if cuda_aware:
+        if engine.cuda_aware:
             return lambda: (cupy.cuda.get_current_stream().synchronize(),
                             world.Allreduce(MPI.IN_PLACE, buffer))
+        host = buffer.get()
         return lambda: (buffer.get(out=host), world.Allreduce(MPI.IN_PLACE, host),
                         buffer.set(host))
 
@@ -56,26 +81,45 @@ def main():
                         stream.synchronize())
 
     rows = []
-    for nbytes in (64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB):
+    for nbytes in SIZES:
         count = nbytes // 4
         one = cupy.ones(count, cupy.float32)
         many = [cupy.ones(max(1, count // 64), cupy.float32) for _ in range(64)]
-        result = alternate(world, {
-            "mpitrain, 1 tensor": mpitrain_in_place([one], f"one.{nbytes}"),
-            "mpitrain, 64 tensors": mpitrain_in_place(many, f"many.{nbytes}"),
-            "raw MPI" + ("" if cuda_aware else " (host copy)"):
+        variants = {
+            "1 tensor, out of place": mpitrain_out_of_place([one], f"out.one.{nbytes}"),
+            "1 tensor, in place": mpitrain_in_place([one], f"in.one.{nbytes}"),
+            "64 tensors, out of place": mpitrain_out_of_place(many, f"out.many.{nbytes}"),
+            "64 tensors, in place": mpitrain_in_place(many, f"in.many.{nbytes}"),
+            "raw MPI" + ("" if engine.cuda_aware else " (host copies)"):
                 raw_mpi(cupy.ones(count, cupy.float32)),
-            "raw NCCL": raw_nccl(cupy.ones(count, cupy.float32)),
-        }, args.repetitions)
-        rows.append((nbytes, result))
+        }
+        if communicator is not None:
+            variants["raw NCCL"] = raw_nccl(cupy.ones(count, cupy.float32))
+        rounds = [alternate(world, variants, args.repetitions) for _ in range(args.rounds)]
+        rows.append((nbytes, rounds))
     if world.rank == 0:
-        print(f"GPU allreduce, {world.size} ranks, CUDA-aware MPI: {cuda_aware}, "
-              f"MPITRAIN_GPU_OPERATIONS={os.environ.get('MPITRAIN_GPU_OPERATIONS', 'mpi')}")
-        print("size | " + " | ".join(rows[0][1]) + "   (bus GB/s, ms)")
-        for nbytes, result in rows:
-            cells = [f"{bus_bandwidth(nbytes, t, world.size):.1f} ({t * 1e3:.2f})"
-                     for t in result.values()]
+        print(f"GPU allreduce, {world.size} ranks on "
+              f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; mpitrain's "
+              f"transport: {selection.describe(engine.device_plan, engine.cuda_aware)}")
+        if communicator is None:
+            print(f"raw NCCL: not measured, it could not start ({nccl})")
+        print("bus GB/s (ms), range of the medians of " f"{args.rounds} rounds:")
+        print("size | " + " | ".join(rows[0][1][0]))
+        for nbytes, rounds in rows:
+            cells = []
+            for name in rounds[0]:
+                seconds = sorted(r[name] for r in rounds)
+                cells.append(f"{bus_bandwidth(nbytes, seconds[-1], world.size):.1f}-"
+                             f"{bus_bandwidth(nbytes, seconds[0], world.size):.1f} "
+                             f"({seconds[0] * 1e3:.2f}-{seconds[-1] * 1e3:.2f})")
             print(f"{nbytes // KiB} KiB | " + " | ".join(cells))
+        print("64 tensors / 1 tensor of the same bytes (goal: at most 2):")
+        for nbytes, rounds in rows:
+            cells = []
+            for how in ("in place", "out of place"):
+                ratio = [r[f"64 tensors, {how}"] / r[f"1 tensor, {how}"] for r in rounds]
+                cells.append(f"{how} {min(ratio):.2f}-{max(ratio):.2f}")
+            print(f"  {nbytes // KiB} KiB: " + ", ".join(cells))
 
 
 if __name__ == "__main__":
