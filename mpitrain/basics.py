@@ -48,7 +48,7 @@ def init(comm=None, process_sets=None):
         try:
             _fail_everywhere(topo.comm, problem, "init()")
             static = _static_sets(process_sets, topo)
-            cuda_aware, plan = _device_transport(topo, config)
+            cuda_aware, plan = _agree_on_settings(topo, config)
         except BaseException:
             topo.comm.Free()
             raise
@@ -111,16 +111,20 @@ def _static_sets(process_sets, topo):
     return registered
 
 
-def _device_transport(topo, config):
-    """(this rank's CUDA-awareness, the job's Plan for device buffers), agreed by all."""
+def _agree_on_settings(topo, config):
+    """Check that the settings every rank must share agree, and choose the
+    transport of device buffers; returns (this rank's CUDA-awareness, the
+    job's Plan). Every rank reaches the same verdict from the same reports."""
     from mpitrain.gpu import cuda_aware, selection
     aware = cuda_aware.resolve(config.cuda_aware)
-    everyone = topo.comm.allgather(
-        selection.local_facts(topo.node, config.gpu_operations, aware))
-    try:
-        plan, problem = selection.choose(everyone), ""
-    except ValueError as error:       # the same on every rank, raised on every rank
-        plan, problem = None, str(error)
+    facts = selection.local_facts(topo.node, config.gpu_operations, aware)
+    everyone = topo.comm.allgather((config, facts))
+    plan, problem = None, _config.disagreement([c for c, _ in everyone])
+    if not problem:
+        try:
+            plan = selection.choose([f for _, f in everyone])
+        except ValueError as error:
+            problem = str(error)
     _fail_everywhere(topo.comm, problem, "init()")
     return aware, plan
 

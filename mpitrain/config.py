@@ -105,6 +105,29 @@ _VARIABLES = {
 }
 
 
+# Settings every rank must share: they shape the fusion plans, the pieces of
+# every MPI call, the response cache's slots, the elastic retries and the
+# transport of device buffers. A rank with another value would not hang
+# politely: it would pair mismatched MPI calls.
+MUST_AGREE = ("fusion_threshold", "chunk_size", "cache_capacity", "elastic_reset_limit",
+              "gpu_operations")
+
+
+def disagreement(configs):
+    """Which setting differs between the ranks' configs (one per rank), or ""."""
+    for field in MUST_AGREE:
+        ranks_of = {}
+        for rank, settings in enumerate(configs):
+            ranks_of.setdefault(getattr(settings, field), []).append(rank)
+        if len(ranks_of) > 1:
+            return (f"MPITRAIN_{_VARIABLES[field][0]} differs between ranks ("
+                    + "; ".join(f"rank{'s' if len(ranks) > 1 else ''} "
+                                f"{', '.join(map(str, ranks))}: {value}"
+                                for value, ranks in ranks_of.items())
+                    + "): every rank must use the same value")
+    return ""
+
+
 def read_variable(environ, suffix):
     """Return (variable name, text) of MPITRAIN_<suffix>, else HOROVOD_<suffix>."""
     for prefix in ("MPITRAIN_", "HOROVOD_"):

@@ -253,6 +253,40 @@ def test_bad_environment_values_fail_init_on_every_rank_and_name_the_variable():
     mt.shutdown()
 
 
+@mpi_test(init=False)
+def test_settings_that_must_agree_but_differ_fail_init_on_every_rank():
+    """Valid values that differ between ranks would pair mismatched MPI calls."""
+    from mpi4py import MPI
+    rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    others = ", ".join(str(r) for r in range(size) if r != 1)
+    label = "ranks" if size > 2 else "rank"
+    for variable, default, value in (("MPITRAIN_CHUNK_SIZE", 4194304, 1048576),
+                                     ("HOROVOD_FUSION_THRESHOLD", 67108864, 1024),
+                                     ("MPITRAIN_CACHE_CAPACITY", 1024, 16),
+                                     ("MPITRAIN_ELASTIC_RESET_LIMIT", 3, 5),
+                                     ("MPITRAIN_GPU_OPERATIONS", "auto", "mpi")):
+        if rank == 1:
+            os.environ[variable] = str(value)
+        try:
+            with pytest.raises(ValueError) as caught:
+                mt.init()
+        finally:
+            os.environ.pop(variable, None)
+        shown = "MPITRAIN_" + variable.split("_", 1)[1]
+        assert str(caught.value) == (
+            f"init() failed on ranks {', '.join(map(str, range(size)))}: {shown} differs "
+            f"between ranks ({label} {others}: {default}; rank 1: {value}): every rank "
+            "must use the same value")
+        assert not mt.is_initialized()
+    os.environ["MPITRAIN_CHUNK_SIZE"] = "1048576"          # the same everywhere: fine
+    try:
+        mt.init()
+        engine_still_works()
+        mt.shutdown()
+    finally:
+        del os.environ["MPITRAIN_CHUNK_SIZE"]
+
+
 def expect_everywhere(name, call, *also):
     """The call fails with a message naming the tensor (and ``also``)."""
     with pytest.raises(mt.HorovodInternalError) as caught:

@@ -52,18 +52,11 @@ def local_facts(node, setting, cuda_aware):
 
 
 def choose(facts):
-    """The Plan for ranks with these facts (one per rank, in rank order).
+    """The Plan for ranks with these facts (one per rank, in rank order), whose
+    settings agree (init checks that first).
 
-    Raises ValueError where the ranks' settings differ, or where they ask
-    for NCCL and it cannot work.
+    Raises ValueError where the setting asks for NCCL and it cannot work.
     """
-    settings = {f.setting for f in facts}
-    if len(settings) > 1:
-        raise ValueError(
-            "MPITRAIN_GPU_OPERATIONS differs between ranks ("
-            + "; ".join(f"{_ranks(ranks)}: {value}"
-                        for value, ranks in _group(facts, lambda f: f.setting).items())
-            + "): every rank must move device buffers the same way")
     setting = facts[0].setting
     gpus = any(f.gpus for f in facts)
     if setting == "mpi":
