@@ -54,17 +54,23 @@ def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
     The arguments arrive as the caller gave them, so that a bad one still
     travels to the other ranks as the reason this operation failed.
     """
+    problem = None
     if type(array) is np.ndarray:
         backend = arrays.HOST
     else:
-        array = arrays.as_array(array)
+        try:
+            array = arrays.as_array(array)
+        except Exception as error:      # a ragged list, an object numpy refuses
+            problem = _Problem(_kind_of(error), "the input cannot be made an array: "
+                                                f"{type(error).__name__}: {error}")
+            array = np.zeros(0, np.uint8)
         backend = arrays.of(array)
     dtype = dtypes.lookup(array.dtype)
     try:
         op, prescale, postscale, root = _arguments(op, average, prescale, postscale, root)
-        problem = None
     except _Problem as bad_argument:
-        op, prescale, postscale, root, problem = Sum, 1.0, 1.0, -1, bad_argument
+        op, prescale, postscale, root = Sum, 1.0, 1.0, -1
+        problem = problem or bad_argument
     handle = Handle(name, kind, controller.rank, dtype, array.shape, op, prescale,
                     postscale, root, array, output, backend.device)
     if handle.device >= 0:
@@ -76,7 +82,25 @@ def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
                 handle.splits = _alltoall_splits(array, splits, controller.size)
         except _Problem as bad_input:
             problem = bad_input
+    if problem is not None:
+        handle.output = None             # it may be anything: never touched again
     return handle, problem
+
+
+def _kind_of(error):
+    return "type" if isinstance(error, TypeError) else "value"
+
+
+def _checked_name(name):
+    """(the name to submit under, a _Problem or None): names are strings.
+
+    Another name still travels, as its str(), so that ranks that gave that
+    string fail with this rank's error instead of waiting for it.
+    """
+    if type(name) is str:
+        return name, None
+    return str(name), _Problem("type", f"name must be a string, got "
+                                       f"{type(name).__name__} {name!r}")
 
 
 def _arguments(op, average, prescale, postscale, root):
@@ -121,6 +145,9 @@ def _check(controller, handle):
     output, array = handle.output, handle.input
     if output is None:
         return
+    if arrays.of(output) is None:
+        raise _Problem("type", "output= must be an array of the input's kind, got "
+                               f"{type(output).__name__}")
     if output is not array and (output.shape != array.shape
                                 or output.dtype != array.dtype
                                 or arrays.of(output) is not arrays.of(array)):
@@ -184,9 +211,12 @@ def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, ro
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name = controller.automatic_name(kind)
+        name, bad_name = controller.automatic_name(kind), None
+    else:
+        name, bad_name = _checked_name(name)
     handle, problem = _prepare(controller, kind, array, name, op, prescale, postscale,
                                root, output, splits, average)
+    problem = bad_name or problem
     if problem is None:
         engine.enqueue(controller, handle)
         return handle
@@ -198,13 +228,23 @@ def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name = controller.automatic_name(kind)
+        name, bad_name = controller.automatic_name(kind), None
+    else:
+        name, bad_name = _checked_name(name)
     arrays = list(arrays)
     outputs = [None] * len(arrays) if outputs is None else list(outputs)
-    prepared = [_prepare(controller, kind, array, f"{name}_{i}of{len(arrays)}", op,
-                         prescale, postscale, output=output, average=average)
-                for i, (array, output) in enumerate(zip(arrays, outputs))]
+    prepared = [_prepare(controller, kind, array, member, op, prescale, postscale,
+                         output=output, average=average)
+                for member, array, output in zip(group_names(name, len(arrays)), arrays,
+                                                 outputs)]
+    if bad_name is not None:
+        prepared = [(handle, bad_name) for handle, _ in prepared]
     return GroupHandle(_submit(engine, controller, prepared))
+
+
+def group_names(name, count):
+    """The names the members of a grouped call travel under."""
+    return [f"{name}_{i}of{count}" for i in range(count)]
 
 
 def allreduce_async(array, average=None, name=None, op=None, prescale_factor=1.0,
@@ -305,15 +345,21 @@ def _control(kind, name, process_set, shape=(), problem=None):
     return _submit(engine, controller, [(handle, problem)])[0]
 
 
-def fail(kind, name, process_set, error_kind, problem):
-    """Raise this rank's ``problem`` with input it could not submit as ``name``.
+def fail(kind, name, process_set, error_kind, problem, count=None):
+    """Raise this rank's ``problem`` with input it could not submit as ``name``
+    (a grouped call of ``count`` members, where count is given).
 
     The other ranks, which submit ``name`` as usual, fail it too, naming
     this rank, instead of waiting for it.
     """
+    engine = basics.engine()
+    controller = _controller(engine, process_set)
     if name is None:
-        name = _controller(basics.engine(), process_set).automatic_name(kind)
-    _control(kind, name, process_set, problem=_Problem(error_kind, problem))
+        name = controller.automatic_name(kind)
+    name = str(name)
+    names = [name] if count is None else group_names(name, count)
+    _submit(engine, controller, [(Handle(member, kind, controller.rank, None, ()),
+                                  _Problem(error_kind, problem)) for member in names])
 
 
 def barrier(process_set=global_process_set):

@@ -17,6 +17,7 @@ class _State:
     engine: object
     topology: object
     sets: dict            # process set id -> ProcessSet
+    arguments: tuple      # (comm, process_sets) as init() was given them
 
 
 _state = None
@@ -34,6 +35,7 @@ def init(comm=None, process_sets=None):
     global _state, _atexit_registered
     with _init_lock:
         if _state is not None and not _state.engine.stopped:
+            _check_same_start(_state.arguments, comm, process_sets)
             return
         if _state is not None:
             _release(_state)
@@ -66,10 +68,41 @@ def init(comm=None, process_sets=None):
             process_set._attach(set_id, topo.rank)
             sets[set_id] = process_set
         engine.start()
-        _state = _State(engine, topo, sets)
+        _state = _State(engine, topo, sets, (comm, process_sets))
         if not _atexit_registered:
             atexit.register(_stop_at_exit)
             _atexit_registered = True
+
+
+def _check_same_start(first, comm, process_sets):
+    """A second init() may repeat the first one's arguments, or give none."""
+    first_comm, first_sets = first
+    same_comm = comm is None or _described_comm(comm) == _described_comm(first_comm)
+    same_sets = process_sets is None or _described_sets(process_sets) == \
+        _described_sets(first_sets)
+    if not (same_comm and same_sets):
+        raise ValueError(
+            f"mpitrain is already running, started with comm={first_comm!r} and "
+            f"process_sets={first_sets!r}; init() with other arguments would be "
+            "ignored. Call shutdown() first to start again with them, or add "
+            "process sets with add_process_set()")
+
+
+def _described_comm(comm):
+    if comm is None:
+        return "world"
+    if isinstance(comm, (list, tuple, range)):
+        return tuple(sorted(set(comm)))
+    from mpi4py import MPI
+    return "world" if comm == MPI.COMM_WORLD else id(comm)
+
+
+def _described_sets(process_sets):
+    if process_sets is None or process_sets == "dynamic":
+        return ()
+    return tuple(("comm", id(p.mpi_comm)) if isinstance(p, ProcessSet) and p.mpi_comm
+                 else tuple(p.ranks) if isinstance(p, ProcessSet)
+                 else tuple(sorted(set(p))) for p in process_sets)
 
 
 def _static_sets(process_sets, topo):

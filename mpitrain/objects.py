@@ -9,7 +9,8 @@ import pickle
 import numpy as np
 
 from mpitrain import array_ops, basics
-from mpitrain.ops import OpType
+from mpitrain.errors import CollectiveTypeError
+from mpitrain.ops import Max, OpType
 from mpitrain.process_sets import global_process_set
 
 _GATHER_LIMIT = (1 << 31) - 1     # above this many bytes in all, gather rank by rank
@@ -35,8 +36,34 @@ def _name(name, kind, process_set):
     return controller.automatic_name(kind)
 
 
+def _unpickled(data, source, problems):
+    """The object pickled in ``data`` by rank ``source``, or None after noting
+    in ``problems`` why this rank cannot unpickle it."""
+    try:
+        return pickle.loads(data)
+    except Exception as error:       # a class only the sender has, a broken pickle...
+        problems.append(f"rank {source}'s object cannot be unpickled here: "
+                        f"{type(error).__name__}: {error}")
+        return None
+
+
+def _agree(label, name, problems, process_set):
+    """Raise on every rank if any rank could not unpickle what it received."""
+    mine = "; ".join(problems)
+    failed = array_ops.allreduce(np.array([len(mine)], dtype=np.int64), name=f"{name}.ok",
+                                 op=Max, process_set=process_set)
+    if not failed[0]:
+        return
+    reports = allgather_object(mine, f"{name}.problems", process_set)
+    raise CollectiveTypeError(f"{label} of '{name}' failed: " + "; ".join(
+        f"on rank {rank}, {report}" for rank, report in enumerate(reports) if report))
+
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return root_rank's ``obj`` on every rank of the set."""
+    """Return root_rank's ``obj`` on every rank of the set.
+
+    Where a rank cannot unpickle it, every rank raises, naming that rank.
+    """
     name = _name(name, OpType.BROADCAST, process_set)
     is_root = process_set.rank() == root_rank
     data = _pickled(obj, f"{name}.size", OpType.BROADCAST, process_set) if is_root else None
@@ -46,25 +73,33 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
         data = np.empty(int(size[0]), dtype=np.uint8)
     array_ops.synchronize(array_ops.broadcast_async(
         data, root_rank, f"{name}.bytes", process_set, output=data))
-    return obj if is_root else pickle.loads(data)
+    problems = []
+    result = obj if is_root else _unpickled(data, root_rank, problems)
+    _agree("broadcast_object", name, problems, process_set)
+    return result
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
-    """Return a list with every rank's ``obj``, in rank order."""
+    """Return a list with every rank's ``obj``, in rank order.
+
+    Where a rank cannot unpickle another's object, every rank raises, naming both.
+    """
     name = _name(name, OpType.ALLGATHER, process_set)
     data = _pickled(obj, f"{name}.sizes", OpType.ALLGATHER, process_set)
     sizes = array_ops.allgather(np.array([data.size], dtype=np.int64),
                                 f"{name}.sizes", process_set)
+    problems, results = [], []
     if int(sizes.sum()) <= _GATHER_LIMIT:
         gathered = array_ops.allgather(data, f"{name}.bytes", process_set)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(gathered[offsets[r]:offsets[r + 1]])
-                for r in range(len(sizes))]
-    results = []
-    for rank, size in enumerate(sizes):
-        mine = rank == process_set.rank()
-        buffer = data if mine else np.empty(int(size), dtype=np.uint8)
-        array_ops.synchronize(array_ops.broadcast_async(
-            buffer, rank, f"{name}.bytes.{rank}", process_set, output=buffer))
-        results.append(obj if mine else pickle.loads(buffer))
+        results = [_unpickled(gathered[offsets[r]:offsets[r + 1]], r, problems)
+                   for r in range(len(sizes))]
+    else:
+        for rank, size in enumerate(sizes):
+            mine = rank == process_set.rank()
+            buffer = data if mine else np.empty(int(size), dtype=np.uint8)
+            array_ops.synchronize(array_ops.broadcast_async(
+                buffer, rank, f"{name}.bytes.{rank}", process_set, output=buffer))
+            results.append(obj if mine else _unpickled(buffer, rank, problems))
+    _agree("allgather_object", name, problems, process_set)
     return results

@@ -386,3 +386,58 @@ def test_every_test_docs_bad_input_names_exists():
             if f"def {name}(" not in source.read():
                 missing.append(f"{filename}::{name}")
     assert not missing
+
+
+@mpi_test()
+def test_input_only_one_rank_cannot_submit_fails_every_rank_at_once():
+    """Not argument checks: an input that is no array, an output that is none."""
+    r = mt.rank()
+    started = time.monotonic()
+    ragged = [[1.0, 2.0], [3.0]] if r == 1 else [[1.0, 2.0], [3.0, 4.0]]
+    raises_everywhere(mt.MpitrainInternalError,
+                      r"'ragged' failed on rank 1: the input cannot be made an array: "
+                      "ValueError: ", lambda: mt.allreduce(ragged, name="ragged"))
+    x = np.zeros(3)
+    raises_everywhere(TypeError, r"'not.an.array' failed on rank 1: output= must be an "
+                                 "array of the input's kind, got list",
+                      lambda: mt.synchronize(mt.allreduce_async(
+                          x, name="not.an.array", output=[0, 0, 0] if r == 1 else x)))
+    raises_everywhere(mt.MpitrainInternalError, r"'group.ragged_0of2'.* failed on rank 1",
+                      lambda: mt.grouped_allreduce([x, ragged], name="group.ragged"))
+    assert time.monotonic() - started < 10, "the others waited for a stall report"
+    engine_still_works()
+
+
+@mpi_test()
+def test_names_must_be_strings_and_a_number_fails_the_ranks_that_used_its_text():
+    r = mt.rank()
+    x = np.ones(2)
+    started = time.monotonic()
+    with pytest.raises(TypeError, match=r"name must be a string, got list \['a'\]"):
+        mt.allreduce(x, name=["a"])
+    raises_everywhere(TypeError, "'5' failed on rank 0: name must be a string, got int 5",
+                      lambda: mt.allreduce(x, name=5 if r == 0 else "5"))
+    raises_everywhere(TypeError, "'7_0of1' failed on rank 0: name must be a string",
+                      lambda: mt.grouped_allreduce([x], name=7 if r == 0 else "7"))
+    assert time.monotonic() - started < 10, "the others waited for a stall report"
+    engine_still_works()
+
+
+@mpi_test(init=False)
+def test_init_again_with_other_arguments_is_refused_not_ignored():
+    mt.init(process_sets=[[0]])
+    try:
+        mt.init()                                  # the same again, or nothing: fine
+        mt.init(process_sets=[[0]])
+        mt.init(comm=None, process_sets=[mt.ProcessSet([0])])
+        for other in ({"process_sets": [[1]]}, {"comm": [0]}, {"process_sets": "dynamic"}):
+            with pytest.raises(ValueError, match=r"already running, started with comm=None "
+                                                 r"and process_sets=\[\[0\]\]; init\(\) "
+                                                 "with other arguments would be ignored"):
+                mt.init(**other)
+        engine_still_works()
+    finally:
+        mt.shutdown()
+    mt.init(process_sets=[[1]])                    # after shutdown(): anything goes
+    engine_still_works()
+    mt.shutdown()

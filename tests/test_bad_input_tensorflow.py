@@ -181,3 +181,24 @@ def test_calls_before_init_and_after_shutdown_say_to_call_init():
             call()
     hvd.init()
     engine_still_works()
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_a_ragged_tensor_on_one_rank_fails_every_rank_at_once():
+    import time
+    r = hvd.rank()
+    dense = tf.ones([2, 2])
+    odd = tf.ragged.constant([[1.0], [2.0, 3.0]]) if r == 1 else dense
+    started = time.monotonic()
+    calls = {"allreduce": lambda: hvd.allreduce(odd, name="ragged.ar"),
+             "allgather": lambda: hvd.allgather(odd, name="ragged.ag"),
+             "broadcast": lambda: hvd.broadcast(odd, 0, name="ragged.bc"),
+             "grouped_allreduce": lambda: hvd.grouped_allreduce([dense, odd],
+                                                                name="ragged.gar"),
+             "unnamed": lambda: hvd.allreduce(odd)}
+    for label, call in calls.items():
+        message = raises_everywhere(tf.errors.OpError, "failed on rank 1: .* input cannot "
+                                                       "be a dense tensor", call)
+        assert "RaggedTensor" in message, (label, message)
+    assert time.monotonic() - started < 20, "the others waited for a stall report"
+    engine_still_works()

@@ -320,3 +320,82 @@ def test_an_optimizer_whose_backward_failed_can_start_over():
         optimizer.zero_grad()
     finally:
         engine_still_works()
+
+
+@mpi_test()
+def test_a_grouped_call_with_a_tensor_one_rank_cannot_convert_fails_every_rank():
+    r = hvd.rank()
+    good = torch.ones(3)
+    odd = torch.zeros(3, dtype=torch.complex32) if r == 1 else torch.ones(3)
+    started = time.monotonic()
+    for call in (hvd.grouped_allreduce, hvd.grouped_allreduce_, hvd.grouped_allgather):
+        name = f"grouped.{call.__name__}"
+        with pytest.raises(TypeError) as caught:
+            call([good, odd], name=name)
+        assert re.search(rf"'{re.escape(name)}_0of2'.* failed on rank 1: .*\[1\]: "
+                         r"unsupported dtype torch\.complex32",
+                         str(caught.value)), str(caught.value)
+    assert time.monotonic() - started < 10, "the others waited for a stall report"
+    engine_still_works()
+
+
+@mpi_test()
+def test_a_lazily_negated_tensor_is_read_right_and_refused_in_place():
+    r, n = hvd.rank(), hvd.size()
+    negated = torch._neg_view(torch.full((4,), float(r + 1)))
+    assert negated.is_neg()
+    got = hvd.allreduce(negated, op=hvd.Sum, name="neg.read")
+    assert torch.equal(got, torch.full((4,), -float(sum(range(1, n + 1)))))
+    target = negated if r == 1 else torch.ones(4)
+    with pytest.raises(TypeError, match="'neg.write' failed on rank 1: allreduce input "
+                                        "has its negative bit set"):
+        hvd.allreduce_(target, name="neg.write")
+    engine_still_works()
+
+
+class OnlyRankZeroCanLoad:
+    """Unpickling fails on every rank but 0, like a module only the root has."""
+
+    def __reduce__(self):
+        import importlib
+        return (importlib.import_module, ("schedule_of_rank_zero",))
+
+
+@mpi_test()
+def test_objects_some_rank_cannot_unpickle_fail_every_rank_naming_it():
+    import sys
+    import types
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        sys.modules["schedule_of_rank_zero"] = types.ModuleType("schedule_of_rank_zero")
+    started = time.monotonic()
+    others = "; ".join(f"on rank {k}, rank 0's object cannot be unpickled here: "
+                       "ModuleNotFoundError: No module named 'schedule_of_rank_zero'"
+                       for k in range(1, n))
+    message = raises_everywhere(TypeError, "broadcast_object of 'schedule' failed: ",
+                                lambda: hvd.broadcast_object(OnlyRankZeroCanLoad(), 0,
+                                                             name="schedule"))
+    assert message.endswith(others), message
+    raises_everywhere(TypeError, "allgather_object of 'gathered' failed: on rank 1, rank 0's",
+                      lambda: hvd.allgather_object(OnlyRankZeroCanLoad() if r == 0 else r,
+                                                   name="gathered"))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.param_groups[0]["schedule"] = OnlyRankZeroCanLoad()
+    raises_everywhere(TypeError, "broadcast_object of 'broadcast_optimizer_state' failed",
+                      lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=0))
+    assert time.monotonic() - started < 10, "the others waited for a stall report"
+    engine_still_works()
+
+
+@mpi_test()
+def test_sync_batch_norm_given_a_1d_input_on_one_rank_fails_every_rank():
+    r = hvd.rank()
+    norm = hvd.SyncBatchNorm(3)
+    started = time.monotonic()
+    x = torch.randn(3) if r == 1 else torch.randn(4, 3)
+    raises_everywhere(ValueError, "failed on rank 1: SyncBatchNorm: expected at least 2D "
+                                  r"input \(got 1D input\)", lambda: norm(x))
+    assert time.monotonic() - started < 10, "the others waited for a stall report"
+    assert norm(torch.randn(4, 3)).shape == (4, 3)
+    engine_still_works()

@@ -2,9 +2,9 @@
 
 import tensorflow as tf
 
-from mpitrain.ops import Sum
+from mpitrain.ops import OpType, Sum
 from mpitrain.process_sets import global_process_set
-from mpitrain.tensorflow.primitives import gather, reduce_dense
+from mpitrain.tensorflow.primitives import dense, gather, reduce_dense
 
 
 def _own_rows(gradient, tensor, process_set):
@@ -30,7 +30,7 @@ def _gather_with_gradient(tensors, name, process_set):
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """Gather a list of tensors through one op; first dimensions may differ per rank."""
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = dense(list(tensors), OpType.ALLGATHER, name, process_set)
     return list(_gather_with_gradient(tensors, name, process_set)) if tensors else []
 
 

@@ -2,8 +2,9 @@
 
 import tensorflow as tf
 
-from mpitrain.ops import Adasum, resolve_op
+from mpitrain.ops import Adasum, OpType, resolve_op
 from mpitrain.process_sets import global_process_set
+from mpitrain.tensorflow import primitives
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.primitives import reduce_dense
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
@@ -45,8 +46,9 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     dense = [i for i, t in enumerate(results) if not isinstance(t, tf.IndexedSlices)]
     sparse = [i for i in range(len(results)) if i not in set(dense)]
     if dense:
-        compressed = [compression.compress(tf.convert_to_tensor(results[i]))
-                      for i in dense]
+        tensors = primitives.dense([results[i] for i in dense], OpType.ALLREDUCE, name,
+                                   process_set)
+        compressed = [compression.compress(tensor) for tensor in tensors]
         reduced = _reduce_with_gradient([c for c, _ in compressed], op,
                                         prescale_factor, postscale_factor, name,
                                         process_set)

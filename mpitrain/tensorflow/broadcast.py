@@ -7,10 +7,10 @@ import mpitrain as mt
 from mpitrain import dtypes
 from mpitrain.errors import CollectiveTypeError
 from mpitrain.handles import synchronize_all
-from mpitrain.ops import Sum
+from mpitrain.ops import OpType, Sum
 from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
-from mpitrain.tensorflow.primitives import reduce_dense
+from mpitrain.tensorflow.primitives import dense, reduce_dense
 
 
 def _movable(array):
@@ -68,7 +68,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
             summed = reduce_dense([upstream], Sum, 1.0, 1.0, None, process_set)[0]
             return summed if process_set.rank() == root_rank else tf.zeros_like(summed)
         return send_from_root([value], root_rank, name, process_set)[0], gradient
-    return send(tf.convert_to_tensor(tensor))
+    # send_from_root names a named tensor as the one member of a group
+    count = None if name is None else 1
+    return send(dense([tensor], OpType.BROADCAST, name, process_set, count)[0])
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set,

@@ -7,7 +7,29 @@ DistributedGradientTape and the Keras optimizer call these directly.
 import tensorflow as tf
 
 import mpitrain as mt
+from mpitrain import array_ops
 from mpitrain.tensorflow import graph_op
+from mpitrain.tensorflow.errors import as_tf_error
+
+
+def dense(tensors, kind, name, process_set, count="members"):
+    """The tensors as dense tensors. Eagerly, one this rank cannot convert (a
+    RaggedTensor, say) fails the call on every rank at once, naming this rank,
+    instead of leaving the others waiting for it. ``count``: the members of
+    the grouped call the core makes (by default one call for one tensor)."""
+    try:
+        return [tf.convert_to_tensor(t) for t in tensors]
+    except (TypeError, ValueError) as error:
+        if not tf.executing_eagerly():
+            raise
+        problem = f"{kind.label} input cannot be a dense tensor: {error}"
+        try:
+            array_ops.fail(kind, name, process_set,
+                           "type" if isinstance(error, TypeError) else "value", problem,
+                           count=(None if len(tensors) == 1 else len(tensors))
+                           if count == "members" else count)
+        except Exception as failed:
+            raise as_tf_error(failed) from error
 
 
 def allreduce_arrays(arrays, name, op, prescale_factor, postscale_factor, process_set):

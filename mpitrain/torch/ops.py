@@ -25,17 +25,30 @@ def _as_tensors(arrays):
     return [as_tensor(a) for a in arrays]
 
 
-def _input(tensor, what, kind, name, process_set):
+def _input(tensor, what, kind, name, process_set, writes=False):
     """``tensor`` as an array; one that cannot be fails the operation on every
     rank, so that the other ranks do not wait for this one's submission."""
     try:
-        return as_array(tensor, what)
-    except TypeError as error:
-        array_ops.fail(kind, name, process_set, "type", str(error))
+        return as_array(tensor, what, writes)
+    except Exception as error:
+        array_ops.fail(kind, name, process_set, *_problem(error))
 
 
-def _arrays(tensors, what):
-    return [as_array(t, f"{what}[{i}]") for i, t in enumerate(tensors)]
+def _arrays(tensors, what, kind, name, process_set, writes=False):
+    """The tensors of a grouped call as arrays; one that cannot be fails every
+    member of the group on every rank."""
+    tensors = list(tensors)
+    try:
+        return [as_array(t, f"{what}[{i}]", writes) for i, t in enumerate(tensors)]
+    except Exception as error:
+        array_ops.fail(kind, name, process_set, *_problem(error), count=len(tensors))
+
+
+def _problem(error):
+    """(error kind, message) of a tensor that could not be converted."""
+    if isinstance(error, TypeError):
+        return "type", str(error)
+    return "value", f"{type(error).__name__}: {error}"
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -50,7 +63,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """Start reducing ``tensor`` across the set, in place."""
-    array = _input(tensor, "allreduce input", OpType.ALLREDUCE, name, process_set)
+    array = _input(tensor, "allreduce input", OpType.ALLREDUCE, name, process_set,
+                   writes=True)
     handle = array_ops.allreduce_async(array, average, name, op, prescale_factor,
                                        postscale_factor, process_set, output=array)
     return TensorHandle(handle, _returns(tensor))
@@ -66,7 +80,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None,
                             prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
     handle = array_ops.grouped_allreduce_async(
-        _arrays(tensors, "grouped_allreduce input"), average, name, op,
+        _arrays(tensors, "grouped_allreduce input", OpType.ALLREDUCE, name, process_set),
+        average, name, op,
         prescale_factor, postscale_factor, process_set)
     return TensorHandle(handle, _as_tensors)
 
@@ -75,7 +90,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None,
                              prescale_factor=1.0, postscale_factor=1.0,
                              process_set=global_process_set):
     tensors = list(tensors)
-    arrays = _arrays(tensors, "grouped_allreduce input")
+    arrays = _arrays(tensors, "grouped_allreduce input", OpType.ALLREDUCE, name,
+                     process_set, writes=True)
     handle = array_ops.grouped_allreduce_async(arrays, average, name, op,
                                                prescale_factor, postscale_factor,
                                                process_set, outputs=arrays)
@@ -98,7 +114,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     handle = array_ops.grouped_allgather_async(
-        _arrays(tensors, "grouped_allgather input"), name, process_set)
+        _arrays(tensors, "grouped_allgather input", OpType.ALLGATHER, name, process_set),
+        name, process_set)
     return TensorHandle(handle, _as_tensors)
 
 
@@ -111,7 +128,8 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """Start overwriting ``tensor`` with root_rank's, in place."""
-    array = _input(tensor, "broadcast input", OpType.BROADCAST, name, process_set)
+    array = _input(tensor, "broadcast input", OpType.BROADCAST, name, process_set,
+                   writes=True)
     handle = array_ops.broadcast_async(array, root_rank, name, process_set,
                                        output=array)
     return TensorHandle(handle, _returns(tensor))
@@ -148,7 +166,8 @@ def grouped_reducescatter_async(tensors, name=None, op=Average,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0):
     handle = array_ops.grouped_reducescatter_async(
-        _arrays(tensors, "grouped_reducescatter input"), op, name, process_set,
+        _arrays(tensors, "grouped_reducescatter input", OpType.REDUCESCATTER, name,
+                process_set), op, name, process_set,
         prescale_factor, postscale_factor)
     return TensorHandle(handle, _as_tensors)
 

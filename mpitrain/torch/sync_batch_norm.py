@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpitrain.ops import Sum
+from mpitrain import array_ops
+from mpitrain.ops import OpType, Sum
 from mpitrain.process_sets import global_process_set
 from mpitrain.torch.autograd import allreduce
 
@@ -30,14 +31,20 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input):
-        self._check_input_dim(input)
+        try:
+            self._check_input_dim(input)
+        except ValueError as error:
+            if self._synchronizes():     # the others wait in the statistics' allreduce
+                array_ops.fail(OpType.ALLREDUCE, None, self.process_set, "value",
+                               f"SyncBatchNorm: {error}")
+            raise
         average_factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:      # a cumulative moving average
                 average_factor = 1.0 / float(self.num_batches_tracked)
         use_batch_statistics = self.training or self.running_mean is None
-        if not use_batch_statistics or self.process_set.size() == 1:
+        if not self._synchronizes():
             with_running_stats = not self.training or self.track_running_stats
             return F.batch_norm(input, self.running_mean if with_running_stats else None,
                                 self.running_var if with_running_stats else None,
@@ -58,6 +65,11 @@ class SyncBatchNorm(_BatchNorm):
         if self.bias is not None:
             output = output + self.bias.view(shape)
         return output
+
+    def _synchronizes(self):
+        """Does forward combine statistics across ranks (one unnamed allreduce)?"""
+        use_batch_statistics = self.training or self.running_mean is None
+        return use_batch_statistics and self.process_set.size() > 1
 
     def _global_statistics(self, input, shape):
         """Mean and biased variance per channel over all ranks, and the count."""

@@ -17,14 +17,23 @@ SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
              torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def as_array(tensor, what="tensor"):
+def as_array(tensor, what="tensor", writes=False):
     """An array sharing ``tensor``'s memory; writes to it reach the tensor.
 
     CPU tensors become numpy arrays; CUDA tensors become CuPy arrays through
-    DLPack, which orders CuPy's current stream after torch's.
+    DLPack, which orders CuPy's current stream after torch's. A tensor with
+    torch's lazy negation (its negative bit) is read through a resolved copy;
+    ``writes`` (an in-place result) refuses it, since the result could not
+    reach it.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_neg():
+        if writes:
+            raise TypeError(f"{what} has its negative bit set (a lazy negation), so an "
+                            "in-place result cannot reach it; call .resolve_neg() on "
+                            "it first")
+        tensor = tensor.resolve_neg()
     if tensor.device.type == "cuda" and arrays.cupy() is not None:
         return _as_device_array(tensor.detach(), what)
     if tensor.device.type != "cpu":
