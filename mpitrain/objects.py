@@ -10,7 +10,7 @@ import numpy as np
 
 from mpitrain import array_ops, basics
 from mpitrain.errors import CollectiveTypeError
-from mpitrain.ops import Max, OpType
+from mpitrain.ops import OpType
 from mpitrain.process_sets import global_process_set
 
 _GATHER_LIMIT = (1 << 31) - 1     # above this many bytes in all, gather rank by rank
@@ -50,9 +50,9 @@ def _unpickled(data, source, problems):
 def _agree(label, name, problems, process_set):
     """Raise on every rank if any rank could not unpickle what it received."""
     mine = "; ".join(problems)
-    failed = array_ops.allreduce(np.array([len(mine)], dtype=np.int64), name=f"{name}.ok",
-                                 op=Max, process_set=process_set)
-    if not failed[0]:
+    # An allgather, not an allreduce: autotune times the allreduces of training.
+    if not array_ops.allgather(np.array([len(mine)], dtype=np.int64), f"{name}.ok",
+                               process_set).any():
         return
     reports = allgather_object(mine, f"{name}.problems", process_set)
     raise CollectiveTypeError(f"{label} of '{name}' failed: " + "; ".join(
