@@ -1,5 +1,7 @@
 """MPI start-up and the communicators mpitrain owns."""
 
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import os
@@ -19,12 +21,48 @@ def start_mpi():
             os.environ.setdefault(key, value)
         import mpi4py
         mpi4py.rc.thread_level = "multiple"
+        mpi4py.rc.initialize = False        # MPI starts below, not at the import
+        mpi4py.rc.finalize = True
     from mpi4py import MPI
     if MPI.Is_finalized():
         raise RuntimeError("MPI has already been finalized in this process")
     if not MPI.Is_initialized():
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        _init_thread(MPI)
     return MPI
+
+
+def _init_thread(MPI):
+    """MPI_Init_thread, called through ctypes where the library can be found.
+
+    MPI's start-up waits for every rank, forever if one never comes. mpi4py
+    holds Python's lock while it waits, which would stop init()'s watch from
+    ending the rank; a ctypes call lets go of it.
+    """
+    path = loaded_mpi_library()
+    try:
+        init_thread = ctypes.CDLL(path).MPI_Init_thread
+    except (OSError, AttributeError, TypeError):
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        return
+    provided = ctypes.c_int(0)
+    init_thread.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.POINTER(ctypes.c_int)]
+    code = init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
+    if code != MPI.SUCCESS:
+        raise RuntimeError(f"MPI_Init_thread failed with error code {code}")
+
+
+def loaded_mpi_library():
+    """The libmpi mapped into this process (mpi4py opened it), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libmpi.so"):
+                    return path
+    except OSError:
+        pass
+    return ctypes.util.find_library("mpi")
 
 
 @dataclasses.dataclass

@@ -441,3 +441,32 @@ def test_init_again_with_other_arguments_is_refused_not_ignored():
     mt.init(process_sets=[[1]])                    # after shutdown(): anything goes
     engine_still_works()
     mt.shutdown()
+
+
+@mpi_test()
+def test_collectives_in_a_forked_child_raise_instead_of_waiting_forever():
+    r = mt.rank()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:              # the child reports through the pipe and leaves at once
+        try:
+            answers = [str(mt.is_initialized()), str(mt.rank())]
+            for call in (lambda: mt.allreduce(np.ones(2)), lambda: mt.barrier(), mt.init):
+                try:
+                    call()
+                    answers.append("no error")
+                except RuntimeError as error:
+                    answers.append(str(error))
+            os.write(write, "\n".join(answers).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as stream:
+        answers = stream.read().split("\n")
+    os.waitpid(child, 0)
+    assert answers[:2] == ["False", str(r)]
+    for answer in answers[2:]:
+        assert answer.startswith(f"this process (pid {child}) is a fork() of rank {r} "
+                                 f"(pid {os.getpid()}), which started mpitrain"), answer
+    assert mt.is_initialized()
+    engine_still_works()

@@ -142,3 +142,19 @@ def test_the_default_settings_never_wait_forever():
     assert not defaults.stall_check_disable
     assert 0 < defaults.stall_check_time < defaults.stall_shutdown_time < 3600
     assert defaults.abort_on_exception
+
+
+def test_a_rank_that_exits_before_init_ends_the_job_instead_of_hanging_it():
+    script = ("import os, sys\n"
+              "if os.environ['OMPI_COMM_WORLD_RANK'] == '1':\n"
+              "    sys.exit(0)\n"
+              "import mpitrain as mt\n"
+              "mt.init()\n"
+              "mt.barrier()\n")
+    started = time.monotonic()
+    job = run_mpi(3, ["-c", script], env={"MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "3"},
+                  timeout=60)
+    assert job.returncode not in (None, 0), job.stderr[-3000:]
+    assert ("mpitrain: init() on rank 0 waited 3 s for the other ranks to start: one of "
+            "them probably exited, or failed, before it called init()") in job.stderr
+    assert time.monotonic() - started < DEADLINE

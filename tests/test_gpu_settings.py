@@ -37,8 +37,9 @@ def test_importing_mpitrain_never_needs_cupy():
 
 @mpi_test(np=(2,), env={"MPITRAIN_CUDA_AWARE": "auto"})
 def test_auto_asks_the_mpi_library_whether_it_is_cuda_aware():
+    from mpitrain import topology
     from mpitrain.gpu import cuda_aware
-    answer = cuda_aware.query(cuda_aware.loaded_mpi_library())
+    answer = cuda_aware.query(topology.loaded_mpi_library())
     assert mt.basics.engine().cuda_aware == bool(answer)
 
 

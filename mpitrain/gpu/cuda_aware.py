@@ -6,26 +6,13 @@ device pointer: a library that is not CUDA-aware crashes on one.
 """
 
 import ctypes
-import ctypes.util
 import logging
-import os
+
+from mpitrain import topology
 
 log = logging.getLogger("mpitrain")
 
 _MPIX_GPU_SUPPORT_CUDA = 0     # the first value of MPICH's MPIX_GPU_SUPPORT_* enum
-
-
-def loaded_mpi_library():
-    """The libmpi mapped into this process (mpi4py opened it), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if os.path.basename(path).startswith("libmpi.so"):
-                    return path
-    except OSError:
-        pass
-    return ctypes.util.find_library("mpi")
 
 
 def query(path):
@@ -53,7 +40,7 @@ def resolve(setting):
     """MPITRAIN_CUDA_AWARE (auto, 1 or 0) as True or False; MPI must be initialized."""
     if setting != "auto":
         return setting == "1"
-    path = loaded_mpi_library()
+    path = topology.loaded_mpi_library()
     answer = query(path)
     if answer is None:
         log.debug("mpitrain: %s does not say whether it is CUDA-aware; device "
