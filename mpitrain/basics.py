@@ -3,6 +3,7 @@
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 
 from mpitrain import arrays, startup
@@ -77,7 +78,17 @@ def shutdown():
 
 
 def _stop_at_exit():
+    state = _state
     _stop("its process exited")
+    if state is not None and state.engine.watch.abandoned:
+        # The engine thread is inside an MPI call that cannot complete; MPI's
+        # own finalization would wait for it forever.
+        sys.stderr.write(f"mpitrain: rank {state.topology.rank}'s engine is still "
+                         "inside an MPI call that cannot complete; aborting the MPI "
+                         "job so that it ends\n")
+        sys.stderr.flush()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
 
 
 def _stop(why):
@@ -98,6 +109,7 @@ def _release(state):
     if state.engine.clean_stop:
         for controller in state.engine.controllers.values():
             controller.channel.comm.Free()
+        state.engine.watch.free()
 
 
 def is_initialized():

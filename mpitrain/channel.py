@@ -8,6 +8,7 @@ Only one communicator may block: a rank blocked on one communicator while
 its peer blocks on another would deadlock.
 """
 
+import contextlib
 import pickle
 
 import numpy as np
@@ -16,6 +17,7 @@ from mpi4py import MPI
 from mpitrain.ops import ReduceOp
 
 BCAST_PIECE = 1 << 30            # bytes per broadcast call, below MPI's count limit
+WINDOW = 4                       # pieces of a non-blocking allreduce in flight at once
 
 MPI_OPS = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM,
            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
@@ -32,13 +34,23 @@ def as_bytes(array):
 
 
 class Channel:
-    def __init__(self, comm, blocking, chunk_size):
+    def __init__(self, comm, blocking, chunk_size, guard=None):
         self.comm = comm
         self.blocking = blocking
+        # guard(what) wraps every blocking call, so that one which stops
+        # moving data is noticed (mpitrain.watch); doing says what for.
+        self.guard = guard
+        self.doing = "negotiation round"
         # Open MPI reduces 1-16 MiB per call faster per byte than larger calls.
         self.chunk_size = chunk_size
         self.rank = comm.rank
         self.size = comm.size
+
+    def _blocking(self, what):
+        """The guard of one blocking call (a no-op without a watch)."""
+        if self.guard is None:
+            return contextlib.nullcontext()
+        return self.guard(f"{what} of the {self.doing}")
 
     def round(self, vector):
         """The control round: always non-blocking, so an idle rank can sleep."""
@@ -83,28 +95,32 @@ class Channel:
             for start, stop in bounds:
                 if before is not None:
                     before(start, stop)
-                self.comm.Allreduce(MPI.IN_PLACE, [buffer[start:stop], mpi_type], mpi_op)
+                with self._blocking("MPI_Allreduce"):
+                    self.comm.Allreduce(MPI.IN_PLACE, [buffer[start:stop], mpi_type],
+                                        mpi_op)
                 if after is not None:
                     after(start, stop)
             return
-        requests = []
+        # At most WINDOW pieces in flight: they complete one after another,
+        # which shows the transfer moving (mpitrain.watch), and a piece's
+        # after() runs while the next ones travel.
+        in_flight = []
         for start, stop in bounds:
             if before is not None:
                 before(start, stop)
-            requests.append(self.comm.Iallreduce(
-                MPI.IN_PLACE, [buffer[start:stop], mpi_type], mpi_op))
-        if after is None:
-            yield requests
-            return
-        for request, (start, stop) in zip(requests, bounds):
-            yield request
-            after(start, stop)
+            in_flight.append((start, stop, self.comm.Iallreduce(
+                MPI.IN_PLACE, [buffer[start:stop], mpi_type], mpi_op)))
+            if len(in_flight) == WINDOW:
+                yield from _completed(in_flight.pop(0), after)
+        for piece in in_flight:
+            yield from _completed(piece, after)
 
     def allgatherv(self, send, receive, counts):
         """Gather byte views; counts are bytes per rank."""
         spec = [receive, counts, None, MPI.BYTE]
         if self.blocking:
-            self.comm.Allgatherv([send, MPI.BYTE], spec)
+            with self._blocking("MPI_Allgatherv"):
+                self.comm.Allgatherv([send, MPI.BYTE], spec)
             return
         yield self.comm.Iallgatherv([send, MPI.BYTE], spec)
 
@@ -114,14 +130,16 @@ class Channel:
                   for i in range(0, max(buffer.size, 1), BCAST_PIECE)]
         if self.blocking:
             for piece in pieces:
-                self.comm.Bcast([piece, MPI.BYTE], root)
+                with self._blocking("MPI_Bcast"):
+                    self.comm.Bcast([piece, MPI.BYTE], root)
             return
         yield [self.comm.Ibcast([piece, MPI.BYTE], root) for piece in pieces]
 
     def alltoall(self, send, receive):
         """Exchange one int64 per rank pair."""
         if self.blocking:
-            self.comm.Alltoall(send, receive)
+            with self._blocking("MPI_Alltoall"):
+                self.comm.Alltoall(send, receive)
             return
         yield self.comm.Ialltoall(send, receive)
 
@@ -130,7 +148,8 @@ class Channel:
         send_spec = [send, send_counts, None, MPI.BYTE]
         receive_spec = [receive, receive_counts, None, MPI.BYTE]
         if self.blocking:
-            self.comm.Alltoallv(send_spec, receive_spec)
+            with self._blocking("MPI_Alltoallv"):
+                self.comm.Alltoallv(send_spec, receive_spec)
             return
         yield self.comm.Ialltoallv(send_spec, receive_spec)
 
@@ -139,14 +158,16 @@ class Channel:
         mpi_type = _MPI_TYPES[send.dtype]
         args = ([send, mpi_type], [receive, mpi_type], counts, MPI_OPS[op])
         if self.blocking:
-            self.comm.Reduce_scatter(*args)
+            with self._blocking("MPI_Reduce_scatter"):
+                self.comm.Reduce_scatter(*args)
             return
         yield self.comm.Ireduce_scatter(*args)
 
     def gather_objects(self, obj):
         """Gather picklable objects to rank 0; other ranks get None."""
         if self.blocking:
-            return self.comm.gather(obj, root=0)
+            with self._blocking("MPI_Gather"):
+                return self.comm.gather(obj, root=0)
         data = _pickled(obj)
         sizes = np.zeros(self.size, dtype=np.int64)
         yield self.comm.Igather(np.array([data.size], dtype=np.int64), sizes, root=0)
@@ -161,7 +182,8 @@ class Channel:
     def bcast_object(self, obj):
         """Broadcast a picklable object from rank 0."""
         if self.blocking:
-            return self.comm.bcast(obj, root=0)
+            with self._blocking("MPI_Bcast"):
+                return self.comm.bcast(obj, root=0)
         data = _pickled(obj) if self.rank == 0 else None
         size = np.array([0 if data is None else data.size], dtype=np.int64)
         yield self.comm.Ibcast(size, root=0)
@@ -173,7 +195,8 @@ class Channel:
     def allgather_objects(self, obj):
         """Every rank's picklable object, on every rank."""
         if self.blocking:
-            return self.comm.allgather(obj)
+            with self._blocking("MPI_Allgather"):
+                return self.comm.allgather(obj)
         data = _pickled(obj)
         sizes = np.zeros(self.size, dtype=np.int64)
         yield self.comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)
@@ -181,6 +204,14 @@ class Channel:
         yield self.comm.Iallgatherv([data, MPI.BYTE],
                                     [received, sizes.tolist(), None, MPI.BYTE])
         return _unpickled(received, sizes)
+
+
+def _completed(piece, after):
+    """Wait for one piece of a non-blocking allreduce, then run after() on it."""
+    start, stop, request = piece
+    yield request
+    if after is not None:
+        after(start, stop)
 
 
 def _pickled(obj):

@@ -32,6 +32,7 @@ class Executor:
     def run(self, group, entries):
         response = group.responses[0]
         kind = response.kind
+        self.channel.doing = f"{kind.label} of {listed(group.names)}"
         if kind == OpType.ALLREDUCE:
             yield from self._traced(group.names, "ALLREDUCE",
                                     self._allreduce(group, entries))
@@ -99,8 +100,8 @@ class Executor:
                     ranks_of.setdefault(report[index], []).append(rank)
             if ranks_of:
                 failed[id(group)] = (
-                    f"{group.responses[0].kind.label} of "
-                    f"{', '.join(repr(name) for name in group.names)} failed: the GPU "
+                    f"{group.responses[0].kind.label} of {listed(group.names)} "
+                    "failed: the GPU "
                     "path could not be set up (" + "; ".join(
                         f"rank{'s' if len(ranks) > 1 else ''} "
                         f"{', '.join(map(str, ranks))}: {cause}"
@@ -292,6 +293,12 @@ class Executor:
         arrays.scale_into(received.reshape(output.shape), self._scale_after(response),
                           output)
         return output
+
+
+def listed(names, most=3):
+    """Names for a message: the first few, quoted, and how many more."""
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 def _in_place_and_unscaled(response, factor, members):

@@ -41,7 +41,9 @@ class SetController:
     def __init__(self, engine, set_id, ranks, comm, blocking):
         self.engine = engine
         self.set_id = set_id
-        self.channel = Channel(comm, blocking, engine.config.chunk_size)
+        self.ranks = ranks
+        self.channel = Channel(comm, blocking, engine.config.chunk_size,
+                               engine.watch.call if blocking else None)
         self.rank = comm.rank
         self.size = comm.size
         config = engine.config
@@ -69,7 +71,9 @@ class SetController:
         self.counters = {}            # automatic names: kind -> next number
         self.coroutine = None
         self.waiting_on = ()
+        self.unfinished = 0           # of waiting_on
         self.wait_started = 0.0
+        self.moved = time.monotonic() # when a request of the round last completed
         self.last_round_start = float("-inf")
         self.last_round_end = float("-inf")
         self.progressed = False
@@ -110,12 +114,26 @@ class SetController:
             self.coroutine = self._round()
             self._resume()
         while self.coroutine is not None:
-            done = MPI.Request.Testall(self.waiting_on)
+            done = self._test()
             while not done and time.monotonic() - self.wait_started < SPIN:
-                done = MPI.Request.Testall(self.waiting_on)
+                done = self._test()
             if not done:
                 return
             self._resume()
+
+    def _test(self):
+        """Has every request of the round's wait completed? Any that did is
+        progress: a long transfer in many pieces is not a stalled peer."""
+        waiting = self.waiting_on
+        if len(waiting) == 1:
+            return waiting[0].Test()
+        finished = MPI.Request.Testsome(waiting)
+        if finished is None:          # none active: all completed before
+            return True
+        if finished:
+            self.unfinished -= len(finished)
+            self.moved = time.monotonic()
+        return self.unfinished == 0
 
     def _resume(self):
         try:
@@ -126,7 +144,8 @@ class SetController:
             self.last_round_end = time.monotonic()
             return
         self.waiting_on = waiting if isinstance(waiting, list) else [waiting]
-        self.wait_started = time.monotonic()
+        self.unfinished = len(self.waiting_on)
+        self.wait_started = self.moved = time.monotonic()
 
     def fail_all(self, error):
         while True:
@@ -175,6 +194,7 @@ class SetController:
             status |= control.SHUTDOWN
         nbits = self.cache.nbits
         vector = control.encode(status, ready, invalid, submitted, nbits)
+        self.channel.doing = "negotiation round"
         yield from self.channel.round(vector)
         status, ready, invalid, submitted = control.decode(vector, nbits)
 

@@ -18,6 +18,7 @@ from mpitrain.errors import ShutdownError
 from mpitrain.handles import notify_waiters
 from mpitrain.ops import OpType
 from mpitrain.timeline import Timeline
+from mpitrain.watch import EngineAbandoned, Watch
 
 log = logging.getLogger("mpitrain")
 
@@ -49,6 +50,9 @@ class Engine:
         self.stopped = False
         self.stopped_reason = None     # why the engine stopped, as users see it
         self.clean_stop = False        # every rank agreed to stop
+        self._failure = ""             # why the watch asked the engine thread to stop
+        self.watch = Watch(self, topology.comm, config.stall_shutdown_time,
+                           topology.threads_multiple)
         self._sleeping = False
         self._thread = threading.Thread(target=self._run, name="mpitrain-engine",
                                         daemon=True)
@@ -68,6 +72,7 @@ class Engine:
         path = self.config.timeline
         if path and path.upper() != "DYNAMIC" and self.topology.rank == 0:
             self.timeline.current = Timeline(path, self.config.timeline_mark_cycles)
+        self.watch.start()
         self._thread.start()
 
     # -- called by user threads ------------------------------------------------
@@ -126,9 +131,22 @@ class Engine:
             self._sleeping = False
             self.lock.notify()
 
+    def request_failure(self, reason):
+        """From the watch: stop this rank's engine at its next look, with ``reason``."""
+        with self.lock:
+            self._failure = reason
+            self._sleeping = False
+            self.lock.notify()
+
+    def finish_for_stuck_thread(self, reason):
+        """From the watch: the engine thread is inside MPI for good; stop for it."""
+        self._finish(reason)
+
     def stop(self, reason, timeout=STOP_TIMEOUT):
         """Ask every rank to stop and wait for the engine thread to end."""
         self.request_stop(reason)
+        if self.watch.abandoned:           # its thread will not come back from MPI
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("mpitrain: the other ranks did not answer the shutdown "
@@ -147,10 +165,14 @@ class Engine:
         reason = None
         try:
             while not self.stopped:
+                if self._failure:
+                    raise EngineStopped(self._failure)
                 now = time.monotonic()
+                self.watch.working = True
                 for controller in list(self.controllers.values()):
                     controller.advance(now)
                     self._check_responsive(controller, now)
+                self.watch.working = False
                 timeline = self.timeline.current
                 if timeline is not None:
                     timeline.flush()
@@ -160,12 +182,15 @@ class Engine:
                         self._sleeping = True
                         self.lock.wait(delay)
                         self._sleeping = False
+        except EngineAbandoned:         # back from MPI after the watch stopped for it
+            return
         except EngineStopped as stop:
             reason = str(stop)
         except BaseException:
             reason = ("the mpitrain engine failed on rank "
                       f"{self.topology.rank}:\n{traceback.format_exc()}")
             log.error("%s", reason)
+            self.watch.tell_others(reason)
         self._finish(reason)
 
     def _sleep_time(self, now):
@@ -182,13 +207,17 @@ class Engine:
         limit = self.config.stall_shutdown_time
         if controller.coroutine is None or not limit:
             return
-        waited = now - controller.wait_started
-        if waited > limit:
-            raise EngineStopped(
-                f"rank {self.topology.rank} waited {waited:.0f} s for process set "
-                f"{controller.set_id}'s negotiation round: another rank's mpitrain "
-                "engine stopped answering (is its process frozen, or was it "
-                "killed?)")
+        waited = now - controller.moved
+        if waited <= limit:
+            return
+        me = self.topology.rank
+        blame = self.watch.blame([rank for rank in controller.ranks if rank != me])
+        if not blame:                  # a peer is busy moving data: wait on
+            controller.moved = time.monotonic()
+            return
+        raise EngineStopped(
+            f"rank {me} waited {waited:.0f} s in process set {controller.set_id}'s "
+            f"{controller.channel.doing}, which moved no data meanwhile: {blame}")
 
     def agree_to_stop(self, channel):
         """Run on the job-wide round that saw a stop request: learn who and why."""
@@ -209,6 +238,7 @@ class Engine:
             controller.fail_all(error)
         notify_waiters()
         self.set_timeline(None)
+        self.watch.stop()
 
     # -- process sets, executed by the job-wide controller in every rank's round --
 

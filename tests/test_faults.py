@@ -8,6 +8,7 @@ Run with -s to see the measured time from the failure to the job's end.
 """
 
 import os
+import re
 import tempfile
 import time
 
@@ -124,7 +125,7 @@ def test_a_rank_that_stops_submitting_ends_the_job_with_the_stall_report():
 def test_a_frozen_rank_ends_the_job_after_the_shutdown_time():
     job, elapsed = run_failing_job(3, "freeze", "allreduce", FAST_STALL)
     assert job.returncode != 0
-    assert "stopped answering" in job.stderr or "stall" in job.stderr
+    assert "rank 2 did not answer within" in job.stderr or "stall" in job.stderr
     assert 3 <= elapsed < DEADLINE
 
 
@@ -155,6 +156,31 @@ def test_a_rank_that_exits_before_init_ends_the_job_instead_of_hanging_it():
     job = run_mpi(3, ["-c", script], env={"MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "3"},
                   timeout=60)
     assert job.returncode not in (None, 0), job.stderr[-3000:]
-    assert ("mpitrain: init() on rank 0 waited 3 s for the other ranks to start: one of "
-            "them probably exited, or failed, before it called init()") in job.stderr
+    assert re.search(r"mpitrain: init\(\) on rank [02] waited 3 s for the other ranks to "
+                     "start: one of them probably exited, or failed, before it called "
+                     r"init\(\)", job.stderr), job.stderr[-3000:]
     assert time.monotonic() - started < DEADLINE
+
+
+def test_a_rank_frozen_inside_a_large_transfer_ends_the_job_after_the_shutdown_time():
+    job, elapsed = run_failing_job(3, "freeze-in-transfer", "allreduce",
+                                   dict(FAST_STALL, MPITRAIN_CHUNK_SIZE="65536"))
+    assert job.returncode != 0
+    assert re.search(r"rank [01] waited \d+ s inside MPI_Allreduce of the allreduce of "
+                     r"'big', which moved no data meanwhile: rank 2 did not answer within",
+                     job.stderr), job.stderr[-3000:]
+    assert 3 <= elapsed < DEADLINE
+
+
+def test_a_rank_whose_engine_fails_tells_the_others_at_once():
+    """The others wait inside MPI for a rank that will never come. With the
+    default stall shutdown (600 s), and no abort of the job from the failed
+    rank's unhandled exception, only that rank's notice can end the job."""
+    job, elapsed = run_failing_job(3, "engine-fails", "allreduce",
+                                   {"MPITRAIN_ABORT_ON_EXCEPTION": "0"})
+    assert job.returncode != 0
+    for rank in (0, 1):
+        assert f"rank 2's mpitrain engine failed, so rank {rank}'s stopped too. Rank " \
+               "2: the mpitrain engine failed on rank 2:" in job.stderr, job.stderr[-3000:]
+    assert "MemoryError" in job.stderr
+    assert elapsed < DEADLINE

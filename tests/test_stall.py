@@ -83,3 +83,23 @@ def test_a_stall_in_a_set_without_rank_0_is_reported_by_its_coordinator():
             time.sleep(0.05)
     mt.shutdown()
     logging.getLogger("mpitrain").removeHandler(records)
+
+
+@mpi_test(np=(3,), env={"MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "1.2",
+                        "MPITRAIN_CHUNK_SIZE": str(256 * 1024)}, timeout=60)
+def test_a_long_healthy_transfer_is_not_taken_for_a_frozen_rank():
+    """512 MiB in 256 KiB pieces takes seconds here, longer than the shutdown
+    time: on the job-wide set, on a process set, and for the rank that waits
+    for the set's members meanwhile."""
+    r, n = mt.rank(), mt.size()
+    x = np.full(1 << 27, 1.0, np.float32)
+    pair = mt.add_process_set([0, 1])
+    try:
+        started = time.monotonic()
+        assert mt.allreduce(x, op=mt.Sum, name="long.everyone")[-1] == n
+        if pair.included():
+            assert mt.allreduce(x, op=mt.Sum, name="long.pair", process_set=pair)[-1] == 2
+        mt.barrier()
+        assert time.monotonic() - started > 1.2, "too fast to show anything here"
+    finally:
+        mt.remove_process_set(pair)

@@ -4,7 +4,10 @@
 
 HOW: raise (an unhandled exception), thread (one in a data-loading thread,
 while the main thread waits for its batch), sigkill, freeze (SIGSTOP),
-stall (stops submitting: sleeps for an hour).
+stall (stops submitting: sleeps for an hour), freeze-in-transfer (SIGSTOP
+while its engine is inside the MPI call of a large allreduce), engine-fails
+(its engine cannot allocate that allreduce's result and fails, while the
+others wait for it inside MPI).
 WHILE: what the other ranks do meanwhile: allreduce (wait for the failed
 rank's tensor), compute (an hour of work that calls no MPI), or elastic
 (wait for its tensor, every rank training inside mpitrain.elastic.run).
@@ -23,6 +26,8 @@ import numpy as np
 
 import mpitrain as mt
 from mpitrain import elastic
+
+BIG = 64 << 20         # floats in the large allreduce of step 5 (256 MiB)
 
 how, meanwhile, run_dir = sys.argv[1:4]
 mt.init()
@@ -52,9 +57,35 @@ def fail():
         time.sleep(3600)
 
 
+def freeze_inside_the_transfer():
+    watch = mt.basics.engine().watch
+    while "'big'" not in str(watch._inside):
+        time.sleep(0.001)
+    with open(os.path.join(run_dir, "failed_at"), "w") as stream:
+        stream.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def leave_no_room_for_the_result():
+    import resource
+    with open("/proc/self/status") as status:
+        size = next(int(line.split()[1]) * 1024 for line in status
+                    if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + (128 << 20), resource.RLIM_INFINITY))
+
+
 def train(state):
+    big = np.ones(BIG, np.float32) if how in ("freeze-in-transfer", "engine-fails") else None
     while state.step < 10:
-        if state.step == 5 and rank == size - 1:
+        if state.step == 5 and big is not None:
+            if rank == size - 1 and how == "freeze-in-transfer":
+                threading.Thread(target=freeze_inside_the_transfer).start()
+            if rank == size - 1 and how == "engine-fails":
+                with open(os.path.join(run_dir, "failed_at"), "w") as stream:
+                    stream.write(repr(time.time()))
+                leave_no_room_for_the_result()
+            mt.allreduce(big, name="big")
+        elif state.step == 5 and rank == size - 1:
             fail()
         if state.step == 5 and rank != size - 1 and meanwhile == "compute":
             time.sleep(3600)
