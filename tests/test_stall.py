@@ -91,7 +91,7 @@ def test_a_long_healthy_transfer_is_not_taken_for_a_frozen_rank():
     """512 MiB in 256 KiB pieces takes seconds here, longer than the shutdown
     time: on the job-wide set, on a process set, and for the rank that waits
     for the set's members meanwhile."""
-    r, n = mt.rank(), mt.size()
+    n = mt.size()
     x = np.full(1 << 27, 1.0, np.float32)
     pair = mt.add_process_set([0, 1])
     try:
