@@ -16,7 +16,9 @@ from mpi4py import MPI
 
 from mpitrain.ops import ReduceOp
 
-BCAST_PIECE = 1 << 30            # bytes per broadcast call, below MPI's count limit
+PIECE = 1 << 30                  # bytes per piece of a large transfer
+COUNT_LIMIT = (1 << 31) - 1      # MPI's counts and offsets are C ints
+EXCHANGE_TAG = 77                # rank-to-rank pieces of large gathers and exchanges
 WINDOW = 4                       # pieces of a non-blocking allreduce in flight at once
 
 MPI_OPS = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM,
@@ -117,6 +119,15 @@ class Channel:
 
     def allgatherv(self, send, receive, counts):
         """Gather byte views; counts are bytes per rank."""
+        starts = _starts(counts)
+        if starts[-1] > COUNT_LIMIT:         # counts or offsets past MPI's int
+            me = self.rank
+            receive[starts[me]:starts[me + 1]] = send
+            yield from self._exchange(
+                {peer: send for peer in range(self.size) if peer != me},
+                {peer: receive[starts[peer]:starts[peer + 1]]
+                 for peer in range(self.size) if peer != me})
+            return
         spec = [receive, counts, None, MPI.BYTE]
         if self.blocking:
             with self._blocking("MPI_Allgatherv"):
@@ -126,8 +137,7 @@ class Channel:
 
     def bcast(self, buffer, root):
         """Broadcast a byte view, in pieces: MPI counts stop at 2**31 - 1."""
-        pieces = [buffer[i:i + BCAST_PIECE]
-                  for i in range(0, max(buffer.size, 1), BCAST_PIECE)]
+        pieces = _pieces(buffer)
         if self.blocking:
             for piece in pieces:
                 with self._blocking("MPI_Bcast"):
@@ -145,6 +155,15 @@ class Channel:
 
     def alltoallv(self, send, send_counts, receive, receive_counts):
         """Exchange byte views; counts are bytes per rank."""
+        sent, received = _starts(send_counts), _starts(receive_counts)
+        if max(sent[-1], received[-1]) > COUNT_LIMIT:
+            me = self.rank
+            receive[received[me]:received[me + 1]] = send[sent[me]:sent[me + 1]]
+            others = [peer for peer in range(self.size) if peer != me]
+            yield from self._exchange(
+                {peer: send[sent[peer]:sent[peer + 1]] for peer in others},
+                {peer: receive[received[peer]:received[peer + 1]] for peer in others})
+            return
         send_spec = [send, send_counts, None, MPI.BYTE]
         receive_spec = [receive, receive_counts, None, MPI.BYTE]
         if self.blocking:
@@ -152,6 +171,24 @@ class Channel:
                 self.comm.Alltoallv(send_spec, receive_spec)
             return
         yield self.comm.Ialltoallv(send_spec, receive_spec)
+
+    def _exchange(self, outgoing, incoming):
+        """Send and receive byte views rank to rank, in pieces below MPI's limits:
+        outgoing[peer] goes to peer, incoming[peer] comes from it."""
+        requests = []
+        for peer, view in incoming.items():
+            requests += [self.comm.Irecv([piece, MPI.BYTE], peer, EXCHANGE_TAG)
+                         for piece in _pieces(view)]
+        for peer, view in outgoing.items():
+            requests += [self.comm.Isend([piece, MPI.BYTE], peer, EXCHANGE_TAG)
+                         for piece in _pieces(view)]
+        if not self.blocking:
+            yield requests
+            return
+        while requests:          # a piece at a time, so that the watch sees progress
+            with self._blocking("MPI_Waitany"):
+                index = MPI.Request.Waitany(requests)
+            requests.pop(index)
 
     def reduce_scatter(self, send, receive, counts, op):
         """counts are elements per rank."""
@@ -204,6 +241,18 @@ class Channel:
         yield self.comm.Iallgatherv([data, MPI.BYTE],
                                     [received, sizes.tolist(), None, MPI.BYTE])
         return _unpickled(received, sizes)
+
+
+def _starts(counts):
+    """Where each rank's part starts, and the end: [0, c0, c0 + c1, ...]."""
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + int(count))
+    return starts
+
+
+def _pieces(view):
+    return [view[i:i + PIECE] for i in range(0, max(view.size, 1), PIECE)]
 
 
 def _completed(piece, after):

@@ -1,7 +1,7 @@
 """Collectives on picklable Python objects, built on the array collectives.
 
 Objects travel pickled (protocol 5); objects beyond 2 GiB work, because the
-bytes move in pieces below MPI's count limit.
+array collectives move such bytes in pieces below MPI's count limit.
 """
 
 import pickle
@@ -12,8 +12,6 @@ from mpitrain import array_ops, basics
 from mpitrain.errors import CollectiveTypeError
 from mpitrain.ops import OpType
 from mpitrain.process_sets import global_process_set
-
-_GATHER_LIMIT = (1 << 31) - 1     # above this many bytes in all, gather rank by rank
 
 
 def _bytes(obj):
@@ -88,18 +86,10 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     data = _pickled(obj, f"{name}.sizes", OpType.ALLGATHER, process_set)
     sizes = array_ops.allgather(np.array([data.size], dtype=np.int64),
                                 f"{name}.sizes", process_set)
-    problems, results = [], []
-    if int(sizes.sum()) <= _GATHER_LIMIT:
-        gathered = array_ops.allgather(data, f"{name}.bytes", process_set)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        results = [_unpickled(gathered[offsets[r]:offsets[r + 1]], r, problems)
-                   for r in range(len(sizes))]
-    else:
-        for rank, size in enumerate(sizes):
-            mine = rank == process_set.rank()
-            buffer = data if mine else np.empty(int(size), dtype=np.uint8)
-            array_ops.synchronize(array_ops.broadcast_async(
-                buffer, rank, f"{name}.bytes.{rank}", process_set, output=buffer))
-            results.append(obj if mine else _unpickled(buffer, rank, problems))
+    gathered = array_ops.allgather(data, f"{name}.bytes", process_set)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    problems = []
+    results = [_unpickled(gathered[offsets[r]:offsets[r + 1]], r, problems)
+               for r in range(len(sizes))]
     _agree("allgather_object", name, problems, process_set)
     return results

@@ -122,3 +122,39 @@ def test_async_calls_return_a_handle_at_once():
     else:
         time.sleep(0.3)
         mt.allgather(np.ones(3), name="late")
+
+
+def gather_and_exchange_beyond_two_gibibytes(process_set):
+    r = process_set.rank()
+    mine = np.full((1 << 30) + 7, r + 1, dtype=np.uint8)
+    both = mt.allgather(mine, name="big.allgather", process_set=process_set)
+    assert both.size == 2 * mine.size                     # rank 1's offset passes 2**31
+    assert both[0] == both[mine.size - 1] == 1 and both[mine.size] == both[-1] == 2
+    del both, mine
+    to_zero = (1 << 31) + 16                               # a count past 2**31
+    rows = np.full(to_zero + 16, r + 1, dtype=np.uint8)
+    rows[to_zero:] = 10 * (r + 1)
+    received, splits = mt.alltoall(rows, splits=[to_zero, 16], name="big.alltoall",
+                                   process_set=process_set)
+    if r == 0:
+        assert received.size == 2 * to_zero and list(splits) == [to_zero, to_zero]
+        assert received[0] == received[to_zero - 1] == 1
+        assert received[to_zero] == received[-1] == 2
+    else:
+        assert received.tolist() == [10] * 16 + [20] * 16
+
+
+@mpi_test(np=(2,), timeout=180)
+def test_allgather_and_alltoall_beyond_two_gibibytes():
+    gather_and_exchange_beyond_two_gibibytes(mt.global_process_set)
+
+
+@mpi_test(np=(3,), timeout=180)
+def test_allgather_and_alltoall_beyond_two_gibibytes_on_a_process_set():
+    pair = mt.add_process_set([0, 1])
+    try:
+        if pair.included():
+            gather_and_exchange_beyond_two_gibibytes(pair)
+    finally:
+        mt.barrier()
+        mt.remove_process_set(pair)
