@@ -10,7 +10,7 @@ import operator
 
 import numpy as np
 
-from mpitrain import arrays, basics, dtypes
+from mpitrain import arrays, basics, dtypes, naming
 from mpitrain.entries import Handle
 from mpitrain.errors import ERROR_CLASSES
 from mpitrain.handles import GroupHandle, synchronize
@@ -48,7 +48,7 @@ def _as_array(value):
 
 
 def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
-             root=-1, output=None, splits=None, average=None):
+             root=-1, output=None, splits=None, average=None, site=""):
     """Build this rank's entry; a local argument error becomes a _Problem.
 
     The arguments arrive as the caller gave them, so that a bad one still
@@ -72,7 +72,7 @@ def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
         op, prescale, postscale, root = Sum, 1.0, 1.0, -1
         problem = problem or bad_argument
     handle = Handle(name, kind, controller.rank, dtype, array.shape, op, prescale,
-                    postscale, root, array, output, backend.device)
+                    postscale, root, array, output, backend.device, site)
     if handle.device >= 0:
         handle.ready = backend.record_ready()
     if problem is None:
@@ -92,15 +92,27 @@ def _kind_of(error):
 
 
 def _checked_name(name):
-    """(the name to submit under, a _Problem or None): names are strings.
+    """(the name to submit under, its call site, a _Problem or None).
 
-    Another name still travels, as its str(), so that ranks that gave that
-    string fail with this rank's error instead of waiting for it.
+    Names are strings; an unnamed call's (a naming.AutoName) knows where it
+    was made. Another name still travels, as its str(), so that ranks that
+    gave that string fail with this rank's error instead of waiting for it.
     """
     if type(name) is str:
-        return name, None
-    return str(name), _Problem("type", f"name must be a string, got "
-                                       f"{type(name).__name__} {name!r}")
+        return name, "", None
+    if type(name) is naming.AutoName:
+        return (*naming.split(name), None)
+    return str(name), "", _Problem("type", f"name must be a string, got "
+                                           f"{type(name).__name__} {name!r}")
+
+
+def automatic_name(kind, process_set=global_process_set):
+    """The name an unnamed call of ``kind`` on ``process_set`` gets now.
+
+    For adapters that must know it before they submit: the backward pass of
+    an autograd op derives its name from its forward's.
+    """
+    return _controller(basics.engine(), process_set).automatic_name(kind)
 
 
 def _arguments(op, average, prescale, postscale, root):
@@ -211,11 +223,10 @@ def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, ro
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name, bad_name = controller.automatic_name(kind), None
-    else:
-        name, bad_name = _checked_name(name)
+        name = controller.automatic_name(kind)
+    name, site, bad_name = _checked_name(name)
     handle, problem = _prepare(controller, kind, array, name, op, prescale, postscale,
-                               root, output, splits, average)
+                               root, output, splits, average, site)
     problem = bad_name or problem
     if problem is None:
         engine.enqueue(controller, handle)
@@ -228,13 +239,12 @@ def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name, bad_name = controller.automatic_name(kind), None
-    else:
-        name, bad_name = _checked_name(name)
+        name = controller.automatic_name(kind)
+    name, site, bad_name = _checked_name(name)
     arrays = list(arrays)
     outputs = [None] * len(arrays) if outputs is None else list(outputs)
     prepared = [_prepare(controller, kind, array, member, op, prescale, postscale,
-                         output=output, average=average)
+                         output=output, average=average, site=site)
                 for member, array, output in zip(group_names(name, len(arrays)), arrays,
                                                  outputs)]
     if bad_name is not None:
@@ -356,10 +366,11 @@ def fail(kind, name, process_set, error_kind, problem, count=None):
     controller = _controller(engine, process_set)
     if name is None:
         name = controller.automatic_name(kind)
-    name = str(name)
+    name, site = naming.split(name) if type(name) is naming.AutoName else (str(name), "")
     names = [name] if count is None else group_names(name, count)
-    _submit(engine, controller, [(Handle(member, kind, controller.rank, None, ()),
-                                  _Problem(error_kind, problem)) for member in names])
+    _submit(engine, controller,
+            [(Handle(member, kind, controller.rank, None, (), site=site),
+              _Problem(error_kind, problem)) for member in names])
 
 
 def barrier(process_set=global_process_set):

@@ -7,11 +7,12 @@ Only when some rank has a request the cache cannot serve do the requests
 travel to the coordinator (rank 0 of the set) and responses come back.
 """
 
+import threading
 import time
 
 from mpi4py import MPI
 
-from mpitrain import control, fusion
+from mpitrain import control, fusion, naming
 from mpitrain.autotune import Autotuner
 from mpitrain.cache import CACHEABLE, HIT, INVALID, ResponseCache
 from mpitrain.channel import Channel
@@ -69,6 +70,7 @@ class SetController:
         self.joined = False
         self.any_joined = False
         self.counters = {}            # automatic names: kind -> next number
+        self.naming_thread = None     # the one thread that makes unnamed calls
         self.coroutine = None
         self.waiting_on = ()
         self.unfinished = 0           # of waiting_on
@@ -420,9 +422,22 @@ class SetController:
     # -- called by user threads ----------------------------------------------
 
     def automatic_name(self, kind):
-        """Names of unnamed calls count per kind: ranks must make the same calls."""
+        """The name of an unnamed call (a naming.AutoName): names count per kind.
+
+        Ranks must make the same unnamed calls in the same order. The call
+        site travels with the request, so that a rank that made one call more
+        fails at the first wrong pairing. Only one thread may make unnamed
+        calls: two interleave differently on each rank.
+        """
+        site = naming.call_site()
+        thread = threading.current_thread()
         with self.engine.lock:
+            if self.naming_thread is None:
+                self.naming_thread = thread
+            elif self.naming_thread is not thread:
+                raise ValueError(naming.second_thread(kind, thread, self.naming_thread,
+                                                      self.set_id))
             number = self.counters.get(kind, 0)
             self.counters[kind] = number + 1
-        return f"{kind.label}.noname.{number}"
+        return naming.AutoName(f"{kind.label}.noname.{number}", site)
 

@@ -115,6 +115,12 @@ def _mismatch(ordered):
     """(what, values by rank) of the first parameter that differs, or None."""
     kind = ordered[0].kind
     checks = [("operations", lambda r: r.kind.label)]
+    if any(r.site for r in ordered):
+        # Unnamed calls pair by their order: a different place in the program
+        # means a rank made one call more or fewer before this one.
+        checks.append(("places in the program (unnamed calls pair up in the order "
+                       "each rank makes them: name them, or make the same calls on "
+                       "every rank)", lambda r: r.site))
     if kind in (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST,
                 OpType.ALLTOALL, OpType.REDUCESCATTER):
         checks += [("data types", lambda r: _dtype_name(r.dtype)),

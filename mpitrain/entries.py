@@ -15,15 +15,16 @@ QUEUED, CACHED, SENT = range(3)
 _ALLTOALL = OpType.ALLTOALL   # waiting to be sorted, served by the cache, at the coordinator
 
 
-def signature(kind, dtype_code, shape, op, prescale, postscale, root, device=-1):
+def signature(kind, dtype_code, shape, op, prescale, postscale, root, device=-1, site=""):
     """What must be identical for a cached response to serve a request.
 
     Alltoall may send a different number of rows each time; its other
-    dimensions must still match. Of the device, only CPU or GPU matters.
+    dimensions must still match. Of the device, only CPU or GPU matters. An
+    unnamed call's place in the program (site) must match too.
     """
     if kind == _ALLTOALL:
         shape = shape[1:]
-    return (kind, dtype_code, shape, op, prescale, postscale, root, device >= 0)
+    return (kind, dtype_code, shape, op, prescale, postscale, root, device >= 0, site)
 
 
 class Handle:
@@ -31,12 +32,12 @@ class Handle:
 
     __slots__ = ("name", "kind", "rank", "dtype", "shape", "op", "prescale",
                  "postscale", "root", "input", "output", "device", "ready", "splits",
-                 "signature",
+                 "site", "signature",
                  "enqueued", "state", "slot", "generation", "successor", "error",
                  "error_kind", "ghost", "result", "error_raised", "_done")
 
     def __init__(self, name, kind, rank, dtype, shape, op=0, prescale=1.0,
-                 postscale=1.0, root=-1, input=None, output=None, device=-1):
+                 postscale=1.0, root=-1, input=None, output=None, device=-1, site=""):
         self.name = name
         self.kind = kind
         self.rank = rank                  # within the process set
@@ -51,8 +52,9 @@ class Handle:
         self.device = device              # -1: host memory; else a CUDA device
         self.ready = None                 # device inputs: an event after their producer
         self.splits = None
+        self.site = site                  # where an unnamed call was made: "file:line"
         self.signature = signature(kind, -1 if dtype is None else dtype.code, shape,
-                                   op, prescale, postscale, root, device)
+                                   op, prescale, postscale, root, device, site)
         self.enqueued = time.monotonic()
         self.state = QUEUED
         self.slot = None                  # the cache slot, while CACHED ...
@@ -70,7 +72,8 @@ class Handle:
         return Request(self.name, self.kind, self.rank,
                        -1 if self.dtype is None else self.dtype.code, self.shape,
                        self.op, self.prescale, self.postscale, self.root,
-                       self.error, self.error_kind, now - self.enqueued, self.device)
+                       self.error, self.error_kind, now - self.enqueued, self.device,
+                       self.site)
 
     def done(self):
         return self._done

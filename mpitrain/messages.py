@@ -23,6 +23,7 @@ class Request:
     error_kind: str = ""
     age: float = 0.0           # seconds between enqueue and sending
     device: int = -1           # -1: host memory; else the CUDA device
+    site: str = ""             # an unnamed call's place in the program
 
 
 @dataclasses.dataclass(slots=True)

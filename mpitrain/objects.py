@@ -8,7 +8,7 @@ import pickle
 
 import numpy as np
 
-from mpitrain import array_ops, basics
+from mpitrain import array_ops, naming
 from mpitrain.errors import CollectiveTypeError
 from mpitrain.ops import OpType
 from mpitrain.process_sets import global_process_set
@@ -28,10 +28,9 @@ def _pickled(obj, name, kind, process_set):
 
 
 def _name(name, kind, process_set):
-    if name is not None:
-        return name
-    controller = array_ops._controller(basics.engine(), process_set)
-    return controller.automatic_name(kind)
+    """The name the object's arrays travel under: an unnamed call's keeps its
+    place in the program, which every piece's request carries."""
+    return array_ops.automatic_name(kind, process_set) if name is None else name
 
 
 def _unpickled(data, source, problems):
@@ -48,11 +47,12 @@ def _unpickled(data, source, problems):
 def _agree(label, name, problems, process_set):
     """Raise on every rank if any rank could not unpickle what it received."""
     mine = "; ".join(problems)
+    ok, report = naming.derived(name, ".ok"), naming.derived(name, ".problems")
     # An allgather, not an allreduce: autotune times the allreduces of training.
-    if not array_ops.allgather(np.array([len(mine)], dtype=np.int64), f"{name}.ok",
+    if not array_ops.allgather(np.array([len(mine)], dtype=np.int64), ok,
                                process_set).any():
         return
-    reports = allgather_object(mine, f"{name}.problems", process_set)
+    reports = allgather_object(mine, report, process_set)
     raise CollectiveTypeError(f"{label} of '{name}' failed: " + "; ".join(
         f"on rank {rank}, {report}" for rank, report in enumerate(reports) if report))
 
@@ -63,14 +63,15 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     Where a rank cannot unpickle it, every rank raises, naming that rank.
     """
     name = _name(name, OpType.BROADCAST, process_set)
+    size_name, bytes_name = naming.derived(name, ".size"), naming.derived(name, ".bytes")
     is_root = process_set.rank() == root_rank
-    data = _pickled(obj, f"{name}.size", OpType.BROADCAST, process_set) if is_root else None
+    data = _pickled(obj, size_name, OpType.BROADCAST, process_set) if is_root else None
     size = np.array([0 if data is None else data.size], dtype=np.int64)
-    size = array_ops.broadcast(size, root_rank, f"{name}.size", process_set)
+    size = array_ops.broadcast(size, root_rank, size_name, process_set)
     if data is None:
         data = np.empty(int(size[0]), dtype=np.uint8)
     array_ops.synchronize(array_ops.broadcast_async(
-        data, root_rank, f"{name}.bytes", process_set, output=data))
+        data, root_rank, bytes_name, process_set, output=data))
     problems = []
     result = obj if is_root else _unpickled(data, root_rank, problems)
     _agree("broadcast_object", name, problems, process_set)
@@ -83,10 +84,11 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     Where a rank cannot unpickle another's object, every rank raises, naming both.
     """
     name = _name(name, OpType.ALLGATHER, process_set)
-    data = _pickled(obj, f"{name}.sizes", OpType.ALLGATHER, process_set)
-    sizes = array_ops.allgather(np.array([data.size], dtype=np.int64),
-                                f"{name}.sizes", process_set)
-    gathered = array_ops.allgather(data, f"{name}.bytes", process_set)
+    sizes_name, bytes_name = naming.derived(name, ".sizes"), naming.derived(name, ".bytes")
+    data = _pickled(obj, sizes_name, OpType.ALLGATHER, process_set)
+    sizes = array_ops.allgather(np.array([data.size], dtype=np.int64), sizes_name,
+                                process_set)
+    gathered = array_ops.allgather(data, bytes_name, process_set)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     problems = []
     results = [_unpickled(gathered[offsets[r]:offsets[r + 1]], r, problems)

@@ -470,3 +470,46 @@ def test_collectives_in_a_forked_child_raise_instead_of_waiting_forever():
                                  f"(pid {os.getpid()}), which started mpitrain"), answer
     assert mt.is_initialized()
     engine_still_works()
+
+
+@mpi_test()
+def test_unnamed_calls_from_a_second_thread_are_refused():
+    """Two threads' unnamed calls interleave differently on each rank."""
+    x = np.ones(3)
+    mt.allreduce(x)                           # this thread numbers the unnamed calls
+    seen = []
+
+    def loader():
+        try:
+            mt.allreduce(x)
+        except ValueError as error:
+            seen.append(str(error))
+        seen.append(mt.allreduce(x, name="from.loader", op=mt.Sum)[0])   # named: fine
+
+    thread = threading.Thread(target=loader, name="loader")
+    thread.start()
+    thread.join()
+    assert seen[0].startswith("an unnamed allreduce from thread 'loader': process set 0 "
+                              "numbers unnamed calls in the order they come, and its "
+                              "first came from thread 'MainThread'")
+    assert seen[1] == mt.size()
+    engine_still_works()
+
+
+@mpi_test()
+def test_one_extra_unnamed_call_on_one_rank_fails_at_the_first_wrong_pairing():
+    r = mt.rank()
+    x = np.full(4, r + 1.0)
+    for _ in range(3):
+        mt.allreduce(x, op=mt.Sum)
+    with pytest.raises(mt.MismatchError) as caught:
+        if r == 1:
+            mt.allreduce(x, op=mt.Sum)        # one call more, the same shape and dtype
+        else:
+            mt.allreduce(x, op=mt.Sum)
+    message = str(caught.value)
+    assert "mismatched places in the program (unnamed calls pair up in the order each " \
+           "rank makes them" in message
+    assert re.search(r"ranks? 0(, 2)?: test_bad_input\.py:\d+; rank 1: "
+                     r"test_bad_input\.py:\d+", message), message
+    engine_still_works()

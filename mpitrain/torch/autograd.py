@@ -1,7 +1,8 @@
 """Out-of-place collectives that autograd can differentiate, as Horovod defines them.
 
 Backward passes (names of the backward collectives are the forward name
-plus ``.grad``, or automatic when the forward was unnamed):
+plus ``.grad``; an unnamed forward gets its automatic name before it runs,
+so that a backward pass on autograd's own thread needs no name of its own):
 - allreduce: the same allreduce (op and scale factors) of the gradient;
 - allgather: the gradient averaged over the set, sliced at this rank's rows;
 - broadcast: the gradient averaged over the set on the root, zeros elsewhere;
@@ -14,21 +15,27 @@ would sum.
 
 import torch
 
+from mpitrain import array_ops, naming
 from mpitrain.handles import synchronize
-from mpitrain.ops import Average, resolve_op
+from mpitrain.ops import Average, OpType, resolve_op
 from mpitrain.process_sets import global_process_set
 from mpitrain.torch import ops
 from mpitrain.torch.compression import Compression
 
 
 def _grad_name(name):
-    return None if name is None else f"{name}.grad"
+    return naming.derived(name, ".grad")
 
 
-def _row_offsets(rows, process_set):
+def _named(name, kind, process_set):
+    return array_ops.automatic_name(kind, process_set) if name is None else name
+
+
+def _row_offsets(rows, name, process_set):
     """Where this rank's rows start in allgather results of tensors with ``rows`` rows."""
     counts = synchronize(ops.allgather_async(torch.tensor([rows], dtype=torch.int64),
-                                             process_set=process_set))
+                                             naming.derived(name, ".grad.rows"),
+                                             process_set))
     return counts[:process_set.rank()].sum(dim=0).tolist()
 
 
@@ -79,7 +86,7 @@ class _Allgather(torch.autograd.Function):
         rows, name, process_set = ctx.args
         averaged = synchronize(ops.allreduce_async(grad, None, _grad_name(name), Average,
                                                    process_set=process_set))
-        offset, = _row_offsets([rows], process_set)
+        offset, = _row_offsets([rows], name, process_set)
         return averaged.narrow(0, offset, rows), None, None
 
 
@@ -95,7 +102,7 @@ class _GroupedAllgather(torch.autograd.Function):
         rows, name, process_set = ctx.args
         averaged = synchronize(ops.grouped_allreduce_async(
             grads, None, _grad_name(name), Average, process_set=process_set))
-        offsets = _row_offsets(rows, process_set)
+        offsets = _row_offsets(rows, name, process_set)
         return (None, None) + tuple(g.narrow(0, o, r)
                                     for g, o, r in zip(averaged, offsets, rows))
 
@@ -172,7 +179,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` across the set (Average by default) into a new tensor."""
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, resolve_op(op, average),
+    reduced = _Allreduce.apply(compressed, _named(name, OpType.ALLREDUCE, process_set),
+                               resolve_op(op, average),
                                prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
@@ -181,23 +189,27 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       op=None, prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set):
     compressed, contexts = _compress_all(compression, tensors)
-    reduced = _GroupedAllreduce.apply(name, resolve_op(op, average), prescale_factor,
+    reduced = _GroupedAllreduce.apply(_named(name, OpType.ALLREDUCE, process_set),
+                                      resolve_op(op, average), prescale_factor,
                                       postscale_factor, process_set, *compressed)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along the first dimension."""
-    return _Allgather.apply(tensor, name, process_set)
+    return _Allgather.apply(tensor, _named(name, OpType.ALLGATHER, process_set),
+                            process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return list(_GroupedAllgather.apply(_named(name, OpType.ALLGATHER, process_set),
+                                        process_set, *tensors))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return root_rank's ``tensor`` on every rank, as a new tensor."""
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return _Broadcast.apply(tensor, root_rank, _named(name, OpType.BROADCAST, process_set),
+                            process_set)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -205,7 +217,9 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
     Returns the received rows; with ``splits``, returns (rows, received splits).
     """
-    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    output, received = _Alltoall.apply(tensor, splits,
+                                       _named(name, OpType.ALLTOALL, process_set),
+                                       process_set)
     return output if splits is None else (output, received)
 
 
@@ -214,7 +228,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   postscale_factor=1.0):
     """Reduce ``tensor`` across the set and keep this rank's rows of the result."""
     compressed, ctx = compression.compress(tensor)
-    scattered = _Reducescatter.apply(compressed, name, resolve_op(op, None), process_set,
+    scattered = _Reducescatter.apply(compressed,
+                                     _named(name, OpType.REDUCESCATTER, process_set),
+                                     resolve_op(op, None), process_set,
                                      prescale_factor, postscale_factor)
     return compression.decompress(scattered, ctx)
 
@@ -223,7 +239,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
     compressed, contexts = _compress_all(compression, tensors)
-    scattered = _GroupedReducescatter.apply(name, resolve_op(op, None), process_set,
+    scattered = _GroupedReducescatter.apply(_named(name, OpType.REDUCESCATTER, process_set),
+                                            resolve_op(op, None), process_set,
                                             prescale_factor, postscale_factor,
                                             *compressed)
     return [compression.decompress(t, c) for t, c in zip(scattered, contexts)]
