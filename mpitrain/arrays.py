@@ -38,6 +38,21 @@ def scale_into(source, factor, out):
         np.multiply(source, factor, out=out, casting="unsafe")
 
 
+def scale_integers(values, scale, divisor):
+    """values = values * scale / divisor in place, truncated toward zero.
+
+    Exact for int64 sums: an integer division where scale is 1, else in
+    numpy's long double (64 bits of mantissa on x86, where every int64 fits).
+    """
+    if scale == 1.0:
+        quotient = values // divisor                 # rounds toward minus infinity
+        quotient += (values < 0) & (quotient * divisor != values)
+        values[...] = quotient
+    else:
+        values[...] = np.trunc(values.astype(np.longdouble) * np.longdouble(scale)
+                               / divisor)
+
+
 class Host:
     """numpy arrays in this process's memory."""
 
@@ -48,6 +63,7 @@ class Host:
         return empty(shape, dtype)
 
     scale_into = staticmethod(scale_into)
+    scale_integers = staticmethod(scale_integers)
 
     @staticmethod
     def pack(sources, counts, out, factor):

@@ -31,6 +31,30 @@ _MPI_TYPES = {np.dtype(t): m for t, m in [
     (np.float32, MPI.FLOAT), (np.float64, MPI.DOUBLE)]}
 
 
+_NAN_AWARE = {}             # ReduceOp -> MPI.Op, made once MPI has started
+
+
+def mpi_operation(op, dtype):
+    """The MPI operation of ``op`` on ``dtype``.
+
+    MPI's MIN and MAX of floats keep or drop a NaN depending on which rank
+    holds it; numpy's minimum and maximum always propagate it, whichever rank
+    holds it, so floats take those.
+    """
+    if op not in (ReduceOp.MIN, ReduceOp.MAX) or dtype.kind != "f":
+        return MPI_OPS[op]
+    if op not in _NAN_AWARE:
+        combine = np.minimum if op == ReduceOp.MIN else np.maximum
+
+        def reduce(incoming, inout, datatype):
+            dtype = np.float32 if datatype == MPI.FLOAT else np.float64
+            result = np.frombuffer(inout, dtype)
+            combine(np.frombuffer(incoming, dtype), result, out=result)
+
+        _NAN_AWARE[op] = MPI.Op.Create(reduce, commute=True)
+    return _NAN_AWARE[op]
+
+
 def as_bytes(array):
     return array.reshape(-1).view(np.uint8)
 
@@ -90,7 +114,7 @@ class Channel:
         on each reduced chunk: on the blocking channel right after its MPI
         call, while the chunk is still in cache.
         """
-        mpi_op = MPI_OPS[op]
+        mpi_op = mpi_operation(op, buffer.dtype)
         mpi_type = _MPI_TYPES[buffer.dtype]
         bounds = self.chunks(buffer.size, buffer.itemsize)
         if self.blocking:
@@ -193,7 +217,8 @@ class Channel:
     def reduce_scatter(self, send, receive, counts, op):
         """counts are elements per rank."""
         mpi_type = _MPI_TYPES[send.dtype]
-        args = ([send, mpi_type], [receive, mpi_type], counts, MPI_OPS[op])
+        args = ([send, mpi_type], [receive, mpi_type], counts,
+                mpi_operation(op, send.dtype))
         if self.blocking:
             with self._blocking("MPI_Reduce_scatter"):
                 self.comm.Reduce_scatter(*args)

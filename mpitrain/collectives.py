@@ -120,10 +120,12 @@ class Executor:
         backend = self._backend(response, members)
         self.devices.check(backend)
         backend.wait_for_inputs(members)
-        wire = dtypes.BY_CODE[response.dtype].reduce_as
+        wire = dtypes.wire(dtypes.BY_CODE[response.dtype], response.op, response.prescale,
+                           response.postscale)
         backend.kernels(wire)
         self.buffers.get(wire, group.total, backend)
-        if self.channel.size > 1 and self.devices.route(wire) == transport.STAGED:
+        if (self.channel.size > 1
+                and self.devices.route(wire, response.op) == transport.STAGED):
             backend.pinned(wire, group.total)
         for response, member in zip(group.responses, members):
             if member is not None and member.output is None:
@@ -138,10 +140,18 @@ class Executor:
                 return arrays.of(member.input)
         return arrays.HOST if response.device < 0 else arrays.current_device()
 
+    def _integer_scaling(self, response, wire):
+        """(scale, divisor) for a sum of integers, applied once to the whole sum,
+        or None where the factors multiply floats before and after the sum."""
+        if not dtypes.exact(wire, response.op):
+            return None
+        divisor = self.channel.size if response.op == ReduceOp.AVERAGE else 1
+        return response.prescale * response.postscale, divisor
+
     def _allreduce(self, group, entries):
         first = group.responses[0]
         dtype = dtypes.BY_CODE[first.dtype]
-        wire = dtype.reduce_as
+        wire = dtypes.wire(dtype, first.op, first.prescale, first.postscale)
         factor = self._scale_after(first)
         members = [entries.get(name) for name in group.names]
         if self.channel.size == 1 and _in_place_and_unscaled(first, factor, members):
@@ -151,19 +161,25 @@ class Executor:
             return
         entry = members[0]
         backend = self._backend(first, members)
+        integer = self._integer_scaling(first, wire)
         if (len(members) == 1 and entry is not None and entry.dtype is dtype
                 and dtype.numpy == wire):
-            yield from self._allreduce_alone(first, entry, factor, backend)
+            yield from self._allreduce_alone(first, entry, factor, integer, backend)
             return
         whole = self.buffers.get(wire, group.total, backend)
         buffer = whole[:group.total]
         names = group.names
         sources = [None if member is None else member.input for member in members]
+        prescale = first.prescale if integer is None else 1.0
         yield from self._traced(names, "MEMCPY_IN_FUSION_BUFFER",
                                 _now(backend.pack, sources, group.counts, buffer,
-                                     first.prescale))
+                                     prescale))
         yield from self._traced(names, "MPI_ALLREDUCE",
                                 self._reduce(buffer, first.op, backend))
+        if integer is not None:
+            factor = 1.0
+            if integer != (1.0, 1):
+                backend.scale_integers(buffer, *integer)
         done, views, outputs, offsets = [], [], [], []
         for response, member, view, start in zip(group.responses, members,
                                                  group.views(whole), group.starts):
@@ -183,7 +199,7 @@ class Executor:
         for member, output in done:
             self.finish(member, output)
 
-    def _allreduce_alone(self, response, entry, factor, backend):
+    def _allreduce_alone(self, response, entry, factor, integer, backend):
         """One tensor: reduce in its output directly, without the fusion buffer."""
         output = entry.output
         if output is not None and not output.flags.c_contiguous:
@@ -191,7 +207,9 @@ class Executor:
         if output is None:
             output = backend.empty(response.shape, entry.dtype.numpy)
         prescale = response.prescale
-        if output is not entry.input and _scales_early(response, entry.dtype):
+        if integer is not None:
+            prescale, factor = 1.0, 1.0
+        elif output is not entry.input and _scales_early(response, entry.dtype):
             # Scale in the copy that happens anyway, not in a pass of its own.
             prescale, factor = prescale * factor, 1.0
         if output is not entry.input or prescale != 1.0:
@@ -199,6 +217,8 @@ class Executor:
         yield from self._traced([response.name], "MPI_ALLREDUCE",
                                 self._reduce(output.reshape(-1), response.op, backend,
                                              factor))
+        if integer is not None and integer != (1.0, 1):
+            backend.scale_integers(output.reshape(-1), *integer)
         if entry.output is not None and output is not entry.output:
             backend.scale_into(output, 1.0, entry.output)
             output = entry.output
@@ -280,18 +300,23 @@ class Executor:
 
     def _reducescatter(self, response, entry):
         dtype = entry.dtype
-        wire = dtype.reduce_as
+        wire = dtypes.wire(dtype, response.op, response.prescale, response.postscale)
+        integer = self._integer_scaling(response, wire)
         rows = scatter_rows(response.shape[0], self.channel.size)
         row = math.prod(response.shape[1:])
         counts = [n * row for n in rows]
         send = self.buffers.get(wire, sum(counts), arrays.HOST)[:sum(counts)]
-        arrays.scale_into(entry.input, response.prescale, send.reshape(response.shape))
+        arrays.scale_into(entry.input, response.prescale if integer is None else 1.0,
+                          send.reshape(response.shape))
         received = np.empty(counts[self.channel.rank], dtype=wire)
         yield from self.channel.reduce_scatter(send, received, counts, response.op)
         output = arrays.empty((rows[self.channel.rank],) + response.shape[1:],
                               dtype.numpy)
-        arrays.scale_into(received.reshape(output.shape), self._scale_after(response),
-                          output)
+        factor = self._scale_after(response)
+        if integer is not None:
+            arrays.scale_integers(received, *integer)
+            factor = 1.0
+        arrays.scale_into(received.reshape(output.shape), factor, output)
         return output
 
 

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from mpitrain.errors import CollectiveTypeError
+from mpitrain.ops import ReduceOp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,28 @@ for _code, _t in enumerate(_SUPPORTED):
     _BY_NUMPY[_np] = _entry
 
 SUPPORTED_NAMES = ", ".join(d.name for d in BY_CODE)
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def wire(dtype, op, prescale, postscale):
+    """The type a tensor of DType ``dtype`` is reduced in (its fusion buffer's).
+
+    16-bit floats are summed in float32. Integers that are averaged or
+    scaled are summed in int64, where the sum cannot overflow, and divided
+    and scaled once, exactly, afterwards (exactly_scaled); other integer
+    sums wrap around as numpy's do.
+    """
+    if dtype.numpy.kind in "iu" and op in (ReduceOp.SUM, ReduceOp.AVERAGE) and (
+            op == ReduceOp.AVERAGE or prescale != 1.0 or postscale != 1.0):
+        return _INT64
+    return dtype.reduce_as
+
+
+def exact(wire_type, op):
+    """Is the sum in ``wire_type`` scaled as an integer (scale_integers)?"""
+    return wire_type.kind in "iu" and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
 
 
 def lookup(dtype):

@@ -14,7 +14,8 @@ ALONE_BYTES = 512 * 1024
 def _fusion_of(response):
     """(what must match to share a buffer, bytes in the buffer), computed once."""
     if not response.fusion:
-        wire = dtypes.BY_CODE[response.dtype].reduce_as
+        wire = dtypes.wire(dtypes.BY_CODE[response.dtype], response.op, response.prescale,
+                           response.postscale)
         response.fusion = ((wire, response.op, response.prescale, response.postscale,
                             response.device),
                            math.prod(response.shape) * wire.itemsize)

@@ -193,3 +193,40 @@ def test_results_start_on_a_64_byte_boundary_so_frameworks_adopt_them():
     for result in (mt.allreduce(x), mt.allreduce(x[:100]), mt.allgather(x[:1000]),
                    mt.broadcast(x[:77], root_rank=0)):
         assert result.ctypes.data % 64 == 0 and result.flags.c_contiguous
+
+
+@mpi_test()
+def test_integer_averages_and_scaling_are_exact():
+    """Summed in int64 and divided once: no overflow, no early truncation."""
+    r, n = mt.rank(), mt.size()
+    for dtype, value in ((np.uint8, 200), (np.int8, 100), (np.int8, -100),
+                         (np.int16, 30000), (np.int32, 2 ** 31 - 1)):
+        got = mt.allreduce(np.full(5, value, dtype), name=f"avg.{np.dtype(dtype)}.{value}")
+        assert got.dtype == dtype and got.tolist() == [value] * 5, (dtype, got)
+    mean = sum(k + 1 for k in range(n)) / n          # 1.5 or 2.0: rounds toward zero
+    got = mt.allreduce(np.array([r + 1, -(r + 1)], np.int32), name="avg.toward.zero")
+    assert got.tolist() == [int(mean), -int(mean)]
+    x = np.array([3 + 2 * r], np.int32)             # the factor scales the sum
+    got = mt.allreduce(x, op=mt.Sum, prescale_factor=0.5, name="int.prescale")
+    assert got[0] == int(sum(3 + 2 * k for k in range(n)) * 0.5)
+    big = np.array([2 ** 60 + 1 + r], np.int64)     # bits beyond float64's 53
+    total = sum(2 ** 60 + 1 + k for k in range(n))
+    assert mt.allreduce(big, name="int64.avg")[0] == total // n
+    got = mt.allreduce(big, op=mt.Sum, postscale_factor=2.0, name="int64.scaled")
+    assert got[0] == 2 * total
+    summed = mt.allreduce(np.full(3, 200, np.uint8), op=mt.Sum, name="uint8.sum.wraps")
+    assert summed.tolist() == [(200 * n) % 256] * 3                # as numpy's sum
+
+
+@mpi_test()
+def test_nan_under_min_and_max_whichever_rank_holds_it():
+    r, n = mt.rank(), mt.size()
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        for holder in range(n):
+            x = np.array([1.0 + r, 2.0, -3.0], dtype)
+            if r == holder:
+                x[0] = np.nan
+            for op in (mt.Max, mt.Min):
+                got = mt.allreduce(x, op=op, name=f"nan.{np.dtype(dtype)}.{holder}.{op}")
+                assert np.isnan(float(got[0])), (dtype, holder, op, got)
+                assert got[1:].astype(np.float32).tolist() == [2.0, -3.0]

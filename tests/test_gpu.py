@@ -65,6 +65,7 @@ def fused_alone_and_16_bit():
     handles.append(mt.allreduce_async(half, name="half", op=mt.Sum))
     handles.append(mt.allreduce_async(brain, name="brain", op=mt.Sum))
     handles.append(mt.allreduce_async(cupy.full(7, r, cupy.int32), name="int", op=mt.Max))
+    handles.append(mt.allreduce_async(cupy.full(6, 100, cupy.int8), name="int8.average"))
     results = [mt.synchronize(h) for h in handles]
     for i, result in enumerate(results[:20]):
         assert isinstance(result, cupy.ndarray) and result is not small[i]
@@ -76,6 +77,7 @@ def fused_alone_and_16_bit():
         got = result.view(np.uint16).get().view(dtype)
         np.testing.assert_array_equal(got.astype(np.float32), exact.astype(np.float32))
     assert (results[23] == n - 1).all()
+    assert results[24].dtype == cupy.int8 and (results[24] == 100).all()   # summed in int64
     assert (small[0] == r).all(), "an out-of-place allreduce changed its input"
 
 

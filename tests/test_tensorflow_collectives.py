@@ -262,3 +262,13 @@ def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
         gradients(1.0, sources)
     assert "rank 0: [(2, 3), (6,)]" in str(caught.value)
     assert "rank 1: [(6,), (2, 3)]" in str(caught.value)
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_integer_averages_and_nan_maxima_through_tensorflow():
+    r = hvd.rank()
+    averaged = hvd.allreduce(tf.constant([100, -100, 127], tf.int8), name="tf.int8.avg")
+    assert averaged.dtype == tf.int8 and averaged.numpy().tolist() == [100, -100, 127]
+    x = tf.constant([float("nan") if r == 1 else 1.0, 2.0])
+    top = hvd.allreduce(x, op=hvd.Max, name="tf.nan.max")
+    assert np.isnan(top.numpy()[0]) and top.numpy()[1] == 2.0

@@ -122,6 +122,17 @@ class Device:
                 self.pack([source], [source.size], scaled.reshape(-1), factor)
                 self.cupy.copyto(out, scaled)
 
+    def scale_integers(self, values, scale, divisor):
+        """values = values * scale / divisor in place, truncated toward zero:
+        exact where scale is 1; otherwise in float64, exact below 2**53."""
+        with self.active():
+            if scale == 1.0:
+                quotient = values // divisor
+                quotient += (values < 0) & (quotient * divisor != values)
+            else:
+                quotient = self.cupy.trunc(values.astype(np.float64) * scale / divisor)
+            values[...] = quotient
+
     def _contiguous(self, array):
         """``array`` or a C-contiguous copy, copied by its bits (CuPy may lack bfloat16 math)."""
         if array.flags.c_contiguous:

@@ -8,8 +8,9 @@ binary search over the starts, so 64 small tensors cost one launch, not 64.
 A float32 buffer carries float32, float16 and bfloat16 tensors: 16-bit floats
 are widened on the way in and rounded to nearest even on the way out, by
 their bits, so the sources include no CUDA header and NVRTC compiles them
-wherever CuPy runs. Scaling follows numpy's rules for the host path: in
-float32 for a float32 buffer, in float64 for the others.
+wherever CuPy runs. An int64 buffer carries the narrower integers that are
+averaged or scaled (mpitrain.dtypes.wire). Scaling follows numpy's rules for
+the host path: in float32 for a float32 buffer, in float64 for the others.
 """
 
 import math
@@ -17,9 +18,12 @@ import math
 import ml_dtypes
 import numpy as np
 
-# Element codes in the segment table; a buffer of another type holds only its own.
+# Element codes in the segment table: a float32 buffer holds 16-bit floats, an
+# int64 buffer narrower integers; any other buffer holds only its own type.
 SAME, HALF, BFLOAT16 = 0, 1, 2
-_CODES = {np.dtype(np.float16): HALF, np.dtype(ml_dtypes.bfloat16): BFLOAT16}
+_CODES = {np.dtype(np.float16): HALF, np.dtype(ml_dtypes.bfloat16): BFLOAT16,
+          np.dtype(np.uint8): 3, np.dtype(np.int8): 4, np.dtype(np.uint16): 5,
+          np.dtype(np.int16): 6, np.dtype(np.int32): 7}
 
 _C_TYPES = {np.dtype(t): c for t, c in [
     (np.uint8, "unsigned char"), (np.int8, "signed char"), (np.uint16, "unsigned short"),
@@ -80,6 +84,32 @@ __device__ __forceinline__ void mpitrain_store(long long address, long long code
     if (code == 1) ((mpitrain_bits16*)address)[j] = mpitrain_float_to_half(value);
     else if (code == 2) ((mpitrain_bits16*)address)[j] = mpitrain_float_to_bfloat16(value);
     else ((float*)address)[j] = value;
+}
+"""
+
+_WIDE_INTEGER_ELEMENTS = r"""
+__device__ __forceinline__ long long mpitrain_load(long long address, long long code,
+                                                   long long j) {
+    switch (code) {
+        case 3: return ((const unsigned char*)address)[j];
+        case 4: return ((const signed char*)address)[j];
+        case 5: return ((const unsigned short*)address)[j];
+        case 6: return ((const short*)address)[j];
+        case 7: return ((const int*)address)[j];
+        default: return ((const long long*)address)[j];
+    }
+}
+
+__device__ __forceinline__ void mpitrain_store(long long address, long long code,
+                                               long long j, long long value) {
+    switch (code) {
+        case 3: ((unsigned char*)address)[j] = (unsigned char)value; break;
+        case 4: ((signed char*)address)[j] = (signed char)value; break;
+        case 5: ((unsigned short*)address)[j] = (unsigned short)value; break;
+        case 6: ((short*)address)[j] = (short)value; break;
+        case 7: ((int*)address)[j] = (int)value; break;
+        default: ((long long*)address)[j] = value;
+    }
 }
 """
 
@@ -144,7 +174,8 @@ def source(wire):
     wire = np.dtype(wire)
     c_type = _C_TYPES[wire]
     compute = "float" if wire == np.float32 else "double"
-    elements = _FLOAT_ELEMENTS if wire == np.float32 else _SAME_ELEMENTS
+    elements = (_FLOAT_ELEMENTS if wire == np.float32 else
+                _WIDE_INTEGER_ELEMENTS if wire == np.int64 else _SAME_ELEMENTS)
     return (f"#define WIRE {c_type}\n#define COMPUTE {compute}\n"
             + _COMMON + elements + _KERNELS)
 

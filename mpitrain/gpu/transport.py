@@ -17,6 +17,7 @@ import logging
 from mpitrain.errors import GpuError
 from mpitrain.gpu import nccl
 from mpitrain.gpu.nccl import NcclAllreduce
+from mpitrain.ops import ReduceOp
 
 log = logging.getLogger("mpitrain")
 
@@ -90,14 +91,16 @@ class DeviceTransport:
                 f"but the tensor is on GPU {backend.device}: keep a rank's tensors "
                 "on one GPU")
 
-    def route(self, dtype):
+    def route(self, dtype, op):
+        if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f":
+            return STAGED         # for numpy's NaN rule, which only the host applies
         if self.nccl is not None and self.nccl.handles(dtype):
             return NCCL
         return CUDA_AWARE if self.cuda_aware else STAGED
 
     def allreduce(self, buffer, op, channel, backend):
         """Reduce a contiguous 1-D device buffer in place across the set."""
-        route = self.route(buffer.dtype)
+        route = self.route(buffer.dtype, op)
         if route == NCCL:
             with backend.active():
                 self.nccl.allreduce(buffer, op, backend.stream)
