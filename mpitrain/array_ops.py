@@ -202,9 +202,11 @@ def _submit(engine, controller, prepared):
     handles = [handle for handle, _ in prepared]
     if not problems:
         if len(handles) == 1:
-            engine.enqueue(controller, handles[0])
+            conflict = engine.enqueue(controller, handles[0])
         else:
-            engine.enqueue_many(controller, handles)
+            conflict = engine.enqueue_many(controller, handles)
+        if conflict is not None:
+            _raise(controller, handles, "value", conflict)
         return handles
     first = problems[0]
     for handle in handles:
@@ -212,10 +214,13 @@ def _submit(engine, controller, prepared):
         handle.error = str(first)
         handle.error_kind = first.kind
     engine.enqueue_many(controller, handles)
+    _raise(controller, handles, first.kind, first)
+
+
+def _raise(controller, handles, kind, problem):
     names = ", ".join(f"'{handle.name}'" for handle in handles)
-    raise ERROR_CLASSES[first.kind](
-        f"{handles[0].kind.label} of {names} failed on rank {controller.rank}: "
-        f"{first}")
+    raise ERROR_CLASSES[kind](f"{handles[0].kind.label} of {names} failed on rank "
+                              f"{controller.rank}: {problem}")
 
 
 def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, root=-1,
@@ -229,7 +234,9 @@ def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, ro
                                root, output, splits, average, site)
     problem = bad_name or problem
     if problem is None:
-        engine.enqueue(controller, handle)
+        conflict = engine.enqueue(controller, handle)
+        if conflict is not None:
+            _raise(controller, [handle], "value", conflict)
         return handle
     return _submit(engine, controller, [(handle, problem)])[0]
 

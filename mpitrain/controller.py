@@ -16,6 +16,7 @@ from mpitrain import control, fusion, naming
 from mpitrain.autotune import Autotuner
 from mpitrain.cache import CACHEABLE, HIT, INVALID, ResponseCache
 from mpitrain.channel import Channel
+from mpitrain.claims import MemoryClaims
 from mpitrain.collectives import Executor
 from mpitrain.coordinator import Coordinator
 from mpitrain.entries import CACHED, QUEUED, SENT
@@ -63,6 +64,7 @@ class SetController:
             DeviceTransport(engine.device_plan, engine.cuda_aware,
                             engine.topology.node, set_id))
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
+        self.claims = MemoryClaims()  # the arrays of in_flight, under engine.lock
         self.incoming = []            # entries not yet seen by the engine
         self.pending = {}             # name -> Handle the engine is negotiating
         self._done = []               # finished entries not yet published
@@ -404,9 +406,11 @@ class SetController:
         done, self._done = self._done, []
         if not done:
             return
-        in_flight = self.in_flight
+        in_flight, claims = self.in_flight, self.claims
         with self.engine.lock:
             for entry in done:
+                if entry.claimed is not None:
+                    claims.release(entry)
                 successor = entry.successor
                 if successor is None:
                     in_flight.pop(entry.name, None)

@@ -78,26 +78,39 @@ class Engine:
     # -- called by user threads ------------------------------------------------
 
     def enqueue(self, controller, entry):
-        """Hand one handle to the engine (the hot path of every async call)."""
+        """Hand one handle to the engine (the hot path of every async call).
+
+        Returns why its arrays may not be used now (see mpitrain.claims), or
+        None. Such an entry still goes, carrying that error, so that the
+        other ranks fail its name too.
+        """
         name = entry.name
         with self._mutex:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
             existing = controller.in_flight.get(name)
+            if existing is not None:
+                existing = _last_failed(existing, controller)
+            conflict = None if entry.ghost else controller.claims.claim(entry)
+            if conflict is not None:
+                _carry(entry, conflict)
             if existing is None:
                 controller.in_flight[name] = entry
                 controller.incoming.append(entry)
             else:
-                _last_failed(existing, controller).successor = entry
+                existing.successor = entry
             if self._sleeping:
                 self._sleeping = False       # one wake-up is enough for a burst
                 self.lock.notify()
+        return conflict
 
     def enqueue_many(self, controller, entries):
         """Hand entries to the engine at once, so one round sees them all.
 
         A name still in flight is a ValueError, unless it belongs to entries
         that already failed locally: the new one then waits behind them.
+        Returns, as enqueue does, a conflict over arrays: then every entry
+        carries it.
         """
         names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
@@ -107,6 +120,7 @@ class Engine:
                 raise ShutdownError(self.stopped_reason)
             behind = {name: _last_failed(controller.in_flight[name], controller)
                       for name in names if name in controller.in_flight}
+            conflict = _claim_all(controller.claims, entries)
             for name, entry in zip(names, entries):
                 if name in behind:
                     behind[name].successor = entry
@@ -116,6 +130,7 @@ class Engine:
             if self._sleeping:
                 self._sleeping = False
                 self.lock.notify()
+        return conflict
 
     def controller_for(self, set_id):
         """This rank's controller of a set, or None where it is not a member."""
@@ -256,6 +271,25 @@ class Engine:
             controller.fail_all(ShutdownError(f"process set {set_id} was removed"))
             controller.channel.comm.Free()
         return set_id
+
+
+def _carry(entry, conflict):
+    entry.ghost = True
+    entry.error = conflict
+    entry.error_kind = "value"
+
+
+def _claim_all(claims, entries):
+    """Claim every entry's arrays, or none: the first conflict fails them all."""
+    for entry in entries:
+        conflict = None if entry.ghost else claims.claim(entry)
+        if conflict is not None:
+            for other in entries:
+                if other.claimed is not None:
+                    claims.release(other)
+                _carry(other, conflict)
+            return conflict
+    return None
 
 
 def _last_failed(entry, controller):

@@ -32,7 +32,7 @@ class Handle:
 
     __slots__ = ("name", "kind", "rank", "dtype", "shape", "op", "prescale",
                  "postscale", "root", "input", "output", "device", "ready", "splits",
-                 "site", "signature",
+                 "site", "signature", "claimed",
                  "enqueued", "state", "slot", "generation", "successor", "error",
                  "error_kind", "ghost", "result", "error_raised", "_done")
 
@@ -55,6 +55,7 @@ class Handle:
         self.site = site                  # where an unnamed call was made: "file:line"
         self.signature = signature(kind, -1 if dtype is None else dtype.code, shape,
                                    op, prescale, postscale, root, device, site)
+        self.claimed = None               # (address read, address written), in flight
         self.enqueued = time.monotonic()
         self.state = QUEUED
         self.slot = None                  # the cache slot, while CACHED ...

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mpitrain as mt
+from mpitrain.errors import CollectiveValueError
 from tests.mpi_harness import mpi_test
 from tests.test_errors import engine_still_works, raises_everywhere
 
@@ -512,4 +513,41 @@ def test_one_extra_unnamed_call_on_one_rank_fails_at_the_first_wrong_pairing():
            "rank makes them" in message
     assert re.search(r"ranks? 0(, 2)?: test_bad_input\.py:\d+; rank 1: "
                      r"test_bad_input\.py:\d+", message), message
+    engine_still_works()
+
+
+@mpi_test()
+def test_an_array_written_by_one_operation_in_flight_is_refused_to_another():
+    """Rank 1 reuses an array that its first operation still writes (in place)
+    or reads; the ranks that did nothing wrong fail that name too, and the
+    operation in flight keeps its right answer."""
+    r = mt.rank()
+    for second in ("in_place", "read"):
+        t = np.full(4, r + 1.0)
+        expected = sum(range(1, mt.size() + 1))
+        if r == 1:
+            first = mt.allreduce_async(t, name=f"first.{second}", op=mt.Sum, output=t)
+            with pytest.raises(CollectiveValueError) as caught:
+                mt.allreduce_async(t, name=f"second.{second}", op=mt.Sum,
+                                   output=t if second == "in_place" else None)
+            mt.synchronize(first)
+        else:
+            with pytest.raises(CollectiveValueError) as caught:
+                mt.allreduce(np.ones(4), name=f"second.{second}")
+            mt.allreduce_async(t, name=f"first.{second}", op=mt.Sum, output=t).wait()
+        message = str(caught.value)
+        assert f"'second.{second}'" in message and "rank 1" in message, message
+        assert "still uses on this rank" in message and f"'first.{second}'" in message
+        assert (t == expected).all(), t
+    engine_still_works()
+
+
+@mpi_test()
+def test_one_array_twice_in_one_grouped_in_place_call_fails_every_rank():
+    t = np.ones(3)
+    with pytest.raises(CollectiveValueError, match="still uses on this rank"):
+        mt.synchronize(mt.grouped_allreduce_async([t, t], name="twice", outputs=[t, t]))
+    assert (t == 1).all()                       # nothing ran
+    twice_read = mt.grouped_allreduce([t, t], name="read.twice", op=mt.Sum)
+    assert [list(x) for x in twice_read] == [[mt.size()] * 3] * 2   # reading twice: fine
     engine_still_works()

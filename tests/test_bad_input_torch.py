@@ -399,3 +399,19 @@ def test_sync_batch_norm_given_a_1d_input_on_one_rank_fails_every_rank():
     assert time.monotonic() - started < 10, "the others waited for a stall report"
     assert norm(torch.randn(4, 3)).shape == (4, 3)
     engine_still_works()
+
+
+@mpi_test()
+def test_one_tensor_twice_in_flight_in_place_is_refused_and_tied_weights_still_broadcast():
+    t = torch.ones(3)
+    with pytest.raises(ValueError, match="still uses on this rank"):
+        hvd.grouped_allreduce_([t, t], name="twice")
+    assert torch.equal(t, torch.ones(3))        # neither member ran
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+    model[1].weight = model[0].weight           # tied, as in language models
+    torch.manual_seed(hvd.rank())
+    torch.nn.init.normal_(model[0].weight)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    gathered = hvd.allgather(model[1].weight.detach()[None])
+    assert all(torch.equal(gathered[0], g) for g in gathered)

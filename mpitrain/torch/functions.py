@@ -1,5 +1,7 @@
 """Making every rank start from the same model and optimizer state."""
 
+import torch
+
 from mpitrain.errors import CollectiveValueError
 from mpitrain.handles import synchronize_all
 from mpitrain.objects import allgather_object, broadcast_object
@@ -18,8 +20,16 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
         items = sorted(params.items())
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    handles, errors = [], []
+    handles, errors, seen = [], [], set()
     for name, tensor in items:
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided \
+                and tensor.numel():
+            # Tied weights appear under several names: the first fills them all.
+            memory = (tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape,
+                      tensor.stride())
+            if memory in seen:
+                continue
+            seen.add(memory)
         try:
             # A tensor this rank cannot send fails its name on every rank.
             handles.append(broadcast_async_(tensor, root_rank, name, process_set))
