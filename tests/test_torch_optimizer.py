@@ -375,3 +375,55 @@ def test_a_rank_alone_in_its_set_steps_like_the_plain_optimizer_and_sends_nothin
         hvd.barrier()
         if alone is not hvd.global_process_set:
             hvd.remove_process_set(alone)
+
+
+class FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises when told to (a bad batch, an OOM)."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailsInBackward.fail:
+            raise RuntimeError("bad batch")
+        return grad
+
+
+@mpi_test()
+def test_a_backward_that_failed_on_one_rank_is_dropped_on_every_rank_and_training_goes_on():
+    """Rank 1's backward raises after the last layer's gradient went out; the
+    ranks agree to skip that batch, drop the step, and train on as if the
+    batch had never been."""
+    r, n = hvd.rank(), hvd.size()
+    reference, model = make_model(), make_model()
+    reference_optimizer = sgd(reference.parameters())
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         overlap=True)
+    mine = slice(r * ROWS, (r + 1) * ROWS)
+    for step in range(3):
+        x, y = batch(step, n * ROWS)
+        optimizer.zero_grad()
+        FailsInBackward.fail = step == 1 and r == 1
+        failed = 0
+        try:
+            hidden = FailsInBackward.apply(model[1](model[0](x[mine])))
+            F.mse_loss(model[2](hidden), y[mine]).backward()
+        except RuntimeError:
+            failed = 1
+            with pytest.raises(AssertionError, match=r"optimizer\.drop_step\(\)"):
+                optimizer.zero_grad()              # the message says what to call
+        if hvd.allreduce(torch.tensor(failed), op=hvd.Max, name=f"failed.{step}"):
+            optimizer.drop_step()
+            assert all(p.grad is None for p in model.parameters())
+            continue
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+    assert_close(model, reference)
+    assert_identical_across_ranks(model)

@@ -154,6 +154,33 @@ class _DistributedOptimizer:
             self._start_over()
             self._synchronized = True
             return
+        errors = self._submit_the_rest() + self._wait_for_pending()
+        self._start_over()
+        if errors:
+            raise errors[0]
+        self._synchronized = True
+
+    def drop_step(self):
+        """Throw this step's gradients away and start the next step clean.
+
+        For a backward pass that raised (a bad batch, out of memory) and was
+        caught. The gradients this rank has not sent yet go out as they are,
+        so no other rank waits for them; every reduction is waited for and
+        discarded, and every ``p.grad`` becomes None. Ranks that step instead
+        average with what this rank sent: to skip the batch everywhere, agree
+        first (an allreduce of a "failed" flag with op=Max) and call this on
+        every rank.
+        """
+        errors = []
+        if self._process_set.included() and not self._alone:
+            errors = self._submit_the_rest() + self._wait_for_pending()
+        self._start_over()
+        super().zero_grad(set_to_none=True)
+        if errors:
+            raise errors[0]
+
+    def _submit_the_rest(self):
+        """Submit every gradient not yet in flight; returns the errors."""
         errors = []
         for p in self._trained:
             unit = self._group_of.get(p, p)
@@ -163,11 +190,7 @@ class _DistributedOptimizer:
                                            else self._submit(p))
                 except Exception as error:  # submit the rest, so no peer waits for them
                     errors.append(error)
-        errors += self._wait_for_pending()
-        self._start_over()
-        if errors:
-            raise errors[0]
-        self._synchronized = True
+        return errors
 
     def _wait_for_pending(self):
         """Wait for every submitted reduction, write back its result; returns the errors."""
@@ -214,7 +237,8 @@ class _DistributedOptimizer:
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): gradients are still "
                 "being reduced into p.grad. Call zero_grad() before backward, or "
-                "after step().")
+                "after step(); to skip a step whose backward failed, call "
+                "optimizer.drop_step().")
         return super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group):
