@@ -11,6 +11,8 @@ import csv
 import logging
 import statistics
 
+from mpitrain import output_files
+
 log = logging.getLogger("mpitrain")
 
 MiB = 1 << 20
@@ -31,11 +33,17 @@ class Autotuner:
         self._plan = [(name, value) for name in CANDIDATES
                       if name not in config.explicit for value in CANDIDATES[name]]
         self._scores = {}                  # candidate value -> median score
-        self._log = open(config.autotune_log, "w", newline="") \
-            if config.autotune_log else None
-        self._writer = csv.writer(self._log) if self._log else None
-        if self._writer:
-            self._writer.writerow(["seconds", *CANDIDATES, "sample", "bytes_per_second"])
+        self._log = self._writer = None
+        if config.autotune_log:
+            try:
+                self._log = open(output_files.create(config.autotune_log), "w",
+                                 newline="")
+            except OSError as error:
+                log.warning("no autotune log: %s; tuning goes on without one", error)
+            else:
+                self._writer = csv.writer(self._log)
+                self._writer.writerow(["seconds", *CANDIDATES, "sample",
+                                       "bytes_per_second"])
         self._origin = now
         self.pending = None                # values to send to every rank
         self.done = not self._plan
@@ -98,10 +106,20 @@ class Autotuner:
         self._next_candidate()
 
     def _write(self, sample, score):
-        if self._writer:
+        if not self._writer:
+            return
+        try:
             self._writer.writerow([f"{self._now_offset():.3f}", *self.values.values(),
                                    sample, score])
             self._log.flush()
+        except OSError as error:            # a full disk: tuning goes on
+            log.warning("the autotune log stops here: %s", error)
+            self._writer = None
+            try:
+                self._log.close()
+            except OSError:
+                pass                         # what it still held is lost with the disk
+            self._log = None
 
     def _now_offset(self):
         return (self._sample_start or self._origin) - self._origin

@@ -71,7 +71,11 @@ class Engine:
     def start(self):
         path = self.config.timeline
         if path and path.upper() != "DYNAMIC" and self.topology.rank == 0:
-            self.timeline.current = Timeline(path, self.config.timeline_mark_cycles)
+            # Only rank 0 writes it: failing init there alone would strand the others.
+            try:
+                self.timeline.current = Timeline(path, self.config.timeline_mark_cycles)
+            except OSError as error:
+                log.warning("no timeline: %s; the job runs without one", error)
         self.watch.start()
         self._thread.start()
 

@@ -4,13 +4,20 @@ Open the file in https://ui.perfetto.dev or chrome://tracing. Each tensor is
 a row; its spans show negotiation (enqueue to response), the operation, and
 the activities inside it (fusion copies, the MPI call). The file is valid
 JSON after every flush: each flush overwrites the closing bracket with the
-new events plus a new closing bracket, in one write.
+new events plus a new closing bracket, in one write. A write that fails (a
+full disk) ends the timeline with a warning and the file as it was before
+that flush; training goes on.
 """
 
 import json
+import logging
 import os
 import threading
 import time
+
+from mpitrain import output_files
+
+log = logging.getLogger("mpitrain")
 
 
 class Timeline:
@@ -22,7 +29,7 @@ class Timeline:
         self._events = []
         # The engine thread writes; stop_timeline() closes from a user thread.
         self._lock = threading.Lock()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = output_files.create(path)
         header = {"name": "process_name", "ph": "M", "pid": 0,
                   "args": {"name": "mpitrain"},
                   "start_time_since_epoch_in_micros": int(time.time() * 1e6)}
@@ -72,9 +79,26 @@ class Timeline:
             body = "".join(",\n" + json.dumps(e) for e in events)
             data = memoryview((body + "\n]").encode())
             written = 0
-            while written < len(data):      # a large write may come back short
-                written += os.pwrite(self._fd, data[written:], self._end + written)
+            try:
+                while written < len(data):      # a large write may come back short
+                    written += os.pwrite(self._fd, data[written:], self._end + written)
+            except OSError as error:
+                self._give_up(error)
+                return
             self._end += len(data) - 1
+
+    def _give_up(self, error):
+        """Stop writing, and cut the file back to its last valid end."""
+        log.warning("the timeline %s stops here, valid up to its last flush: %s; "
+                    "training goes on without it", self.path, error)
+        try:
+            # Shrinking and rewriting a byte already on disk need no free space.
+            os.ftruncate(self._fd, self._end + 1)
+            os.pwrite(self._fd, b"]", self._end)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
 
     def close(self):
         self.flush()

@@ -2,9 +2,11 @@
 
 import json
 import os
+import subprocess
 import tempfile
 
 import numpy as np
+import pytest
 
 import mpitrain as mt
 from tests.mpi_harness import mpi_test, run_mpi
@@ -62,3 +64,49 @@ def test_the_file_stays_valid_json_when_the_job_is_killed(tmp_path):
     assert job.returncode is None and "running" in job.stdout, job.stderr[-2000:]
     events = json.load(open(path))
     assert any(e.get("name") == "MPI_ALLREDUCE" for e in events)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB file system of its own, to fill up."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                              str(disk)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_full_disk_ends_the_timeline_with_a_warning_and_training_goes_on(
+        small_disk, nprocs):
+    path = small_disk / "timeline.json"
+    job = run_mpi(nprocs, ["tests/scripts/timeline_steps.py", "200"],
+                  env={"MPITRAIN_TIMELINE": str(path)}, timeout=60)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.count("trained") == nprocs
+    assert job.stderr.count("stops here, valid up to its last flush: "
+                            "[Errno 28] No space left on device") == 1, job.stderr
+    events = json.load(open(path))              # still valid JSON
+    assert any(e.get("name") == "MPI_ALLREDUCE" for e in events)
+
+
+def test_the_timeline_and_autotune_log_do_not_write_through_a_symbolic_link(tmp_path):
+    links = {}
+    for name in ("timeline.json", "autotune.csv"):
+        target = tmp_path / f"precious-{name}"
+        target.write_text("precious")
+        links[name] = tmp_path / name
+        links[name].symlink_to(target)
+    job = run_mpi(2, ["tests/scripts/timeline_steps.py", "3"],
+                  env={"MPITRAIN_TIMELINE": str(links["timeline.json"]),
+                       "MPITRAIN_AUTOTUNE": "1",
+                       "MPITRAIN_AUTOTUNE_LOG": str(links["autotune.csv"])}, timeout=60)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.count("trained") == 2
+    for name, link in links.items():
+        assert (tmp_path / f"precious-{name}").read_text() == "precious", name
+        assert f"{link} is a symbolic link, which mpitrain does not write through" \
+            in job.stderr, job.stderr
