@@ -4,11 +4,21 @@ Every rank holds an identical cache: entries are added, touched and removed
 only while processing a negotiation round, in the same order on every rank,
 so a slot number means the same tensor everywhere. The ``signature`` stored
 with an entry is this rank's own; shapes of allgather may differ per rank.
+
+When full, the cache drops its least recently used entry. If a name it
+dropped comes back, the names a step uses do not fit: dropping the least
+recent one would then drop the very name needed next, and every tensor
+would negotiate through the coordinator each step. The cache makes room
+for each name that returns instead, with one warning. Names that never return (a step number in the
+name) keep the capacity as it is.
 """
 
 import collections
+import logging
 
 from mpitrain.ops import OpType
+
+log = logging.getLogger("mpitrain")
 
 HIT, INVALID, MISS = range(3)
 
@@ -22,6 +32,8 @@ class ResponseCache:
         self._slots = []                      # slot -> (response, signature) or None
         self._by_name = {}                    # name -> slot
         self._recent = collections.OrderedDict()   # slot, least recently used first
+        self._dropped = collections.OrderedDict()  # names dropped for room, oldest first
+        self._warned = False
         self.generation = 0                   # changes whenever an entry is added or removed
 
     @property
@@ -63,8 +75,10 @@ class ResponseCache:
             return
         if response.name in self._by_name:
             self.erase(self._by_name[response.name])
+        elif self._dropped.pop(response.name, False):
+            self._grow()
         if len(self._by_name) >= self.capacity:
-            self.erase(next(iter(self._recent)))
+            self._drop_least_recent()
         try:
             slot = self._slots.index(None)
             self._slots[slot] = (response, signature)
@@ -74,6 +88,22 @@ class ResponseCache:
         self._by_name[response.name] = slot
         self._recent[slot] = None
         self.generation += 1
+
+    def _drop_least_recent(self):
+        slot = next(iter(self._recent))
+        self._dropped[self._slots[slot][0].name] = True
+        if len(self._dropped) > self.capacity:
+            self._dropped.popitem(last=False)
+        self.erase(slot)
+
+    def _grow(self):
+        if not self._warned:
+            self._warned = True
+            log.warning("the response cache holds %d names, fewer than the job "
+                        "uses again and again: it grows to hold them. Set "
+                        "MPITRAIN_CACHE_CAPACITY to the number of tensors a step "
+                        "submits, or more, to start at that size", self.capacity)
+        self.capacity += 1
 
     def erase(self, slot):
         entry = self._slots[slot]

@@ -1,5 +1,7 @@
 """allreduce on numpy arrays: ops, dtypes, scaling, fusion, ordering, the cache."""
 
+import logging
+
 import ml_dtypes
 import numpy as np
 
@@ -230,3 +232,36 @@ def test_nan_under_min_and_max_whichever_rank_holds_it():
                 got = mt.allreduce(x, op=op, name=f"nan.{np.dtype(dtype)}.{holder}.{op}")
                 assert np.isnan(float(got[0])), (dtype, holder, op, got)
                 assert got[1:].astype(np.float32).tolist() == [2.0, -3.0]
+
+
+@mpi_test(env={"MPITRAIN_CACHE_CAPACITY": "16"})
+def test_more_names_per_step_than_the_cache_holds_grow_it_once_with_a_warning():
+    """24 names every step against 16 entries: dropping the least recently
+    used name would drop the next one needed, every step. The cache grows
+    instead; names that never come back do not make it grow."""
+    r, n = mt.rank(), mt.size()
+    controller = mt.basics.engine().controllers[0]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("mpitrain").addHandler(handler)
+    for step in range(6):
+        if step == 2:
+            negotiations = controller.negotiations
+        handles = [mt.allreduce_async(np.full(3, float(r + i)), name=f"many.{i}",
+                                      op=mt.Sum) for i in range(24)]
+        for i, handle in enumerate(handles):
+            assert (mt.synchronize(handle) == sum(k + i for k in range(n))).all()
+    assert controller.negotiations == negotiations, "names still negotiate every step"
+    assert controller.cache.capacity == 24, controller.cache.capacity
+    for step in range(40):                      # a new name every step
+        mt.allreduce(np.ones(2), name=f"once.{step}")
+    assert controller.cache.capacity == 24, controller.cache.capacity
+    logging.getLogger("mpitrain").removeHandler(handler)
+    warnings = [record.getMessage() for record in records
+                if "response cache" in record.getMessage()]
+    assert warnings == ([] if r else ["the response cache holds 16 names, fewer than "
+                                      "the job uses again and again: it grows to hold "
+                                      "them. Set MPITRAIN_CACHE_CAPACITY to the number "
+                                      "of tensors a step submits, or more, to start at "
+                                      "that size"]), warnings
