@@ -1,15 +1,16 @@
 """Saving a Keras model's training state from rank 0, and resuming from it.
 
-The file is an .npz archive of plain arrays (the model's weights, then the
-optimizer's variables) plus ``extra`` as JSON, so loading it runs no pickle.
+The file's payload is an .npz archive of plain arrays (the model's weights,
+then the optimizer's variables) plus ``extra`` as JSON, so loading it runs
+no pickle.
 """
 
+import io
 import json
 
 import numpy as np
 
 from mpitrain import checkpoint
-from mpitrain.objects import broadcast_object
 from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import optimizer_variables
 
@@ -22,13 +23,15 @@ def save_checkpoint(path, model, optimizer=None, root_rank=0, **extra):
     """
     optimizer = optimizer or getattr(model, "optimizer", None)
 
-    def write(stream):
+    def serialize():
         arrays = {f"model.{i}": w for i, w in enumerate(model.get_weights())}
         arrays.update({f"optimizer.{i}": np.asarray(v) for i, v
                        in enumerate(optimizer_variables(optimizer))})
-        np.savez(stream, extra=np.array(json.dumps(extra)), **arrays)
+        buffer = io.BytesIO()
+        np.savez(buffer, extra=np.array(json.dumps(extra)), **arrays)
+        return buffer.getvalue()
 
-    checkpoint.save_on_root(path, write, root_rank)
+    checkpoint.save_on_root(path, serialize, root_rank)
 
 
 def load_checkpoint(path, model, optimizer=None, root_rank=0):
@@ -37,27 +40,31 @@ def load_checkpoint(path, model, optimizer=None, root_rank=0):
     If ``path`` exists on root_rank, the root loads it into the model and
     the optimizer (building the optimizer if it has not taken a step yet).
     Either way every rank then gets the root's variables. Returns the
-    ``extra`` values saved with the checkpoint, or None without one.
+    ``extra`` values saved with the checkpoint, or None without one. A
+    checkpoint that does not load (corrupt, or of another model or
+    optimizer) raises CheckpointError on every rank and changes no rank's
+    weights or optimizer state.
     """
     optimizer = optimizer or getattr(model, "optimizer", None)
 
-    def restore(found_path):
-        with np.load(found_path, allow_pickle=False) as saved:
-            model.set_weights(_numbered(saved, "model"))
-            state = _numbered(saved, "optimizer")
-            if optimizer is not None and state:
-                _build(optimizer, model)
-                variables = optimizer_variables(optimizer)
-                if len(variables) != len(state):
-                    raise ValueError(f"the checkpoint holds {len(state)} optimizer "
-                                     f"variables, the optimizer has {len(variables)}")
-                for variable, value in zip(variables, state):
-                    variable.assign(value)
-            return {"extra": json.loads(str(saved["extra"])),
-                    "optimizer_state": bool(state)}
+    def restore(payload):
+        with np.load(io.BytesIO(payload), allow_pickle=False) as saved:
+            weights, state = _numbered(saved, "model"), _numbered(saved, "optimizer")
+            extra = json.loads(str(saved["extra"]))
+        parts = [("model", list(model.weights), weights)]
+        if optimizer is not None and state:
+            # Built with zeros, as every rank's is at its first step, even if
+            # the checkpoint turns out not to fit.
+            _build(optimizer, model)
+            parts.append(("optimizer", optimizer_variables(optimizer), state))
+        for owner, variables, values in parts:
+            _check_fit(owner, variables, values)
+        for _, variables, values in parts:
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+        return {"extra": extra, "optimizer_state": bool(state)}
 
     found, restored = checkpoint.read_on_root(path, restore, root_rank)
-    restored = broadcast_object(restored, root_rank, "mpitrain.checkpoint.extra")
     if restored and restored["optimizer_state"] and optimizer is not None:
         _build(optimizer, model)             # every rank, so the variables match
     broadcast_variables(list(model.variables) + optimizer_variables(optimizer), root_rank)
@@ -67,6 +74,18 @@ def load_checkpoint(path, model, optimizer=None, root_rank=0):
 def _numbered(saved, prefix):
     count = sum(1 for key in saved.files if key.startswith(prefix + "."))
     return [saved[f"{prefix}.{i}"] for i in range(count)]
+
+
+def _check_fit(owner, variables, values):
+    """Raise ValueError unless ``values`` fit ``variables``, shape for shape."""
+    if len(variables) != len(values):
+        raise ValueError(f"the checkpoint holds {len(values)} {owner} variables, "
+                         f"the {owner} has {len(variables)}")
+    for variable, value in zip(variables, values):
+        if tuple(variable.shape) != value.shape:
+            name = getattr(variable, "path", variable.name)    # Keras 3, tf_keras
+            raise ValueError(f"{owner} variable {name} has shape "
+                             f"{tuple(variable.shape)}, the checkpoint's {value.shape}")
 
 
 def _build(optimizer, model):
