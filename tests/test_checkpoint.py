@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mpitrain.torch as hvd
-from mpitrain.checkpoint import read_payload, write_atomically
+from mpitrain.checkpoint import read_payload, write_atomically, write_payload
 from tests.mpi_harness import ROOT, mpi_test, run_mpi
 
 torch.set_num_threads(1)
@@ -244,3 +244,33 @@ def test_without_a_checkpoint_every_rank_starts_from_the_roots_state():
     assert hvd.load_checkpoint("/nonexistent/ckpt.pt", model, optimizer) is None
     weights = hvd.allgather_object(model.weight.detach().clone())
     assert all(torch.equal(w, weights[0]) for w in weights)
+
+
+class RunsCode:
+    """A pickle that creates a file when it is unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@mpi_test()
+def test_a_checkpoint_that_would_run_code_when_unpickled_is_refused_and_runs_nothing():
+    """docs/security.md: checkpoint files are data. A file with a valid
+    checksum (anyone who can write the file can compute one) whose pickle
+    calls a function is refused on every rank, and the function never runs."""
+    model = torch.nn.Linear(2, 2)
+    before = clone_state(model)
+    with shared_directory() as directory:
+        path, marker = os.path.join(directory, "ckpt.pt"), os.path.join(directory, "ran")
+        if hvd.rank() == 0:
+            payload = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": None,
+                        "extra": {"step": RunsCode(marker)}}, payload)
+            write_payload(path, payload.getvalue())
+        with pytest.raises(hvd.CheckpointError, match="Weights only load failed"):
+            hvd.load_checkpoint(path, model)
+        assert not os.path.exists(marker)
+    assert state_equal(model, before)

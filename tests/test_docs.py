@@ -3,6 +3,7 @@ public name of Horovod's modules and tell truly whether mpitrain has it, and
 the configuration page lists every variable and launcher flag."""
 
 import importlib
+import inspect
 import os
 import re
 
@@ -122,3 +123,24 @@ def test_every_launcher_flag_is_in_the_configuration_page():
              for flag in action.option_strings if flag not in ("-h", "--help")]
     missing = [flag for flag in flags if f"`{flag}" not in page]
     assert not missing
+
+
+def test_the_security_page_names_every_public_call_that_unpickles_other_ranks_objects():
+    unpickling = re.compile(r"\b(broadcast_object|allgather_object|read_on_root)\(")
+    found = set()
+    for module_name in ("mpitrain", "mpitrain.torch", "mpitrain.tensorflow",
+                        "mpitrain.tensorflow.keras"):
+        module = importlib.import_module(module_name)
+        for name in dir(module):
+            value = getattr(module, name)
+            if name.startswith("_") or not inspect.isfunction(value) \
+                    or not value.__module__.startswith("mpitrain"):
+                continue
+            if name in ("broadcast_object", "allgather_object") \
+                    or unpickling.search(inspect.getsource(value)):
+                found.add(name)
+    assert {"broadcast_object", "allgather_object", "broadcast_optimizer_state",
+            "load_checkpoint"} <= found, found
+    with open(os.path.join(ROOT, "docs", "security.md")) as page:
+        text = page.read()
+    assert not [name for name in found if f"`{name}`" not in text]
