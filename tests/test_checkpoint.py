@@ -17,6 +17,7 @@ import torch
 
 import mpitrain.torch as hvd
 from mpitrain.checkpoint import read_payload, write_atomically, write_payload
+from tests.damage import flip_byte_in_the_middle
 from tests.mpi_harness import ROOT, mpi_test, run_mpi
 
 torch.set_num_threads(1)
@@ -36,14 +37,6 @@ def shared_directory():
         hvd.barrier()
         if hvd.rank() == 0:
             shutil.rmtree(directory)
-
-
-def flip_byte_in_the_middle(path):
-    with open(path, "r+b") as stream:
-        stream.seek(os.path.getsize(path) // 2)
-        byte = stream.read(1)
-        stream.seek(-1, os.SEEK_CUR)
-        stream.write(bytes([byte[0] ^ 0xFF]))
 
 
 def clone_state(model):

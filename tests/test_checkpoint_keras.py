@@ -8,6 +8,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from tests.damage import flip_byte_in_the_middle
 from tests.mpi_harness import mpi_test
 
 tf = pytest.importorskip("tensorflow")
@@ -50,14 +51,6 @@ def test_training_resumed_from_a_checkpoint_matches_training_straight_through():
     if hvd.rank() == 0:
         shutil.rmtree(directory)
 
-
-
-def flip_byte_in_the_middle(path):
-    with open(path, "r+b") as stream:
-        stream.seek(os.path.getsize(path) // 2)
-        byte = stream.read(1)
-        stream.seek(-1, os.SEEK_CUR)
-        stream.write(bytes([byte[0] ^ 0xFF]))
 
 
 def trained_model(seed, optimizer=None):
