@@ -18,6 +18,8 @@ import socket
 import sys
 import threading
 
+from mpitrain import launch_report
+
 _installed_in = None        # pid of the process whose hooks are ours
 
 
@@ -57,6 +59,7 @@ def _aborting(previous, where):
 def _announce(where):
     from mpi4py import MPI
     world = MPI.COMM_WORLD
+    launch_report.copy_stderr(world.Get_rank())
     sys.stderr.write(
         f"mpitrain: rank {world.Get_rank()} of {world.Get_size()} (host "
         f"{socket.gethostname()}, pid {os.getpid()}) failed with an unhandled "
