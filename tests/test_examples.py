@@ -25,7 +25,8 @@ def run_example(nprocs, script, *args, timeout=TWO_MINUTES):
                          text=True, timeout=timeout)
     seconds = time.monotonic() - started
     assert job.returncode == 0, job.stderr[-4000:]
-    return job.stdout, seconds
+    # mpitrainrun tags every line with its rank: "[1,0]<stdout>: ..."
+    return re.sub(r"^\[1,\d+\]<stdout>: ", "", job.stdout, flags=re.M), seconds
 
 
 def final_accuracy(stdout):
