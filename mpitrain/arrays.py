@@ -38,6 +38,14 @@ def scale_into(source, factor, out):
         np.multiply(source, factor, out=out, casting="unsafe")
 
 
+def divide_toward_zero(values, divisor):
+    """values / divisor, truncated toward zero, for numpy or CuPy integers
+    (whose // rounds toward minus infinity)."""
+    quotient = values // divisor
+    quotient += (values < 0) & (quotient * divisor != values)
+    return quotient
+
+
 def scale_integers(values, scale, divisor):
     """values = values * scale / divisor in place, truncated toward zero.
 
@@ -45,9 +53,7 @@ def scale_integers(values, scale, divisor):
     numpy's long double (64 bits of mantissa on x86, where every int64 fits).
     """
     if scale == 1.0:
-        quotient = values // divisor                 # rounds toward minus infinity
-        quotient += (values < 0) & (quotient * divisor != values)
-        values[...] = quotient
+        values[...] = divide_toward_zero(values, divisor)
     else:
         values[...] = np.trunc(values.astype(np.longdouble) * np.longdouble(scale)
                                / divisor)

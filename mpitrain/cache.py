@@ -9,8 +9,8 @@ When full, the cache drops its least recently used entry. If a name it
 dropped comes back, the names a step uses do not fit: dropping the least
 recent one would then drop the very name needed next, and every tensor
 would negotiate through the coordinator each step. The cache makes room
-for each name that returns instead, with one warning. Names that never return (a step number in the
-name) keep the capacity as it is.
+for each name that returns instead, with one warning. Names that never
+return (a step number in the name) keep the capacity as it is.
 """
 
 import collections

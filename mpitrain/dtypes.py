@@ -46,7 +46,7 @@ def wire(dtype, op, prescale, postscale):
 
     16-bit floats are summed in float32. Integers that are averaged or
     scaled are summed in int64, where the sum cannot overflow, and divided
-    and scaled once, exactly, afterwards (exactly_scaled); other integer
+    and scaled once, exactly, afterwards (see exact()); other integer
     sums wrap around as numpy's do.
     """
     if dtype.numpy.kind in "iu" and op in (ReduceOp.SUM, ReduceOp.AVERAGE) and (

@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 
+from mpitrain import arrays
 from mpitrain.gpu import kernels
 
 _TABLES_KEPT = 128                 # segment tables cached on the device
@@ -127,8 +128,7 @@ class Device:
         exact where scale is 1; otherwise in float64, exact below 2**53."""
         with self.active():
             if scale == 1.0:
-                quotient = values // divisor
-                quotient += (values < 0) & (quotient * divisor != values)
+                quotient = arrays.divide_toward_zero(values, divisor)
             else:
                 quotient = self.cupy.trunc(values.astype(np.float64) * scale / divisor)
             values[...] = quotient
