@@ -8,9 +8,14 @@ Every figure is the time of the slowest rank, the median of repetitions in
 which the variants take turns, so all variants see the same machine state.
 Sections:
   targets  ~120 float32 tensors totalling 64 MiB (sizes like a model's
-           weights and biases), reduced in place as DistributedOptimizer
-           does, against one in-place Allreduce of a preallocated 64 MiB
-           buffer; and 200 tensors of 16 KiB against one Allreduce of 3.2 MB;
+           weights and biases), and 200 tensors of 16 KiB, each set reduced
+           in both call forms: in place (output=a, as DistributedOptimizer
+           does) and out of place (a new result per tensor, held until the
+           next repetition as a user's loop holds it); both against one
+           in-place Allreduce of a preallocated buffer of the same bytes
+           (64 MiB; 3.2 MB). Times carry their range over repetitions, and
+           ratios are taken per repetition, against that repetition's raw
+           call, then summarised the same way;
   sweep    bus bandwidth against message size for one tensor (mpitrain, raw
            mpi4py, gloo) and for the same bytes split like a model (mpitrain);
   idle     the CPU share of an idle rank over 10 s;
@@ -25,6 +30,7 @@ import resource
 import socket
 import statistics
 import time
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -48,21 +54,33 @@ def model_like(total_bytes, count=120):
 
 
 def slowest(world, fn):
+    """Seconds fn takes on the slowest rank. What fn returns is dropped only
+    after the clock stops: freeing a previous repetition's results is not
+    part of the call measured."""
     world.Barrier()
     start = time.perf_counter()
-    fn()
-    return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    to_drop = fn()
+    elapsed = time.perf_counter() - start
+    del to_drop
+    return world.allreduce(elapsed, op=MPI.MAX)
 
 
-def alternate(world, variants, repetitions):
-    """Medians (seconds) of variants run in turn, after one warm-up each."""
+def alternate_times(world, variants, repetitions):
+    """Seconds of every repetition of variants run in turn, after one warm-up
+    each; index i of every list is the same repetition."""
     for fn in variants.values():
         fn()
     times = {name: [] for name in variants}
     for _ in range(repetitions):
         for name, fn in variants.items():
             times[name].append(slowest(world, fn))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def alternate(world, variants, repetitions):
+    """Medians (seconds) of variants run in turn, after one warm-up each."""
+    return {name: statistics.median(values)
+            for name, values in alternate_times(world, variants, repetitions).items()}
 
 
 def mpitrain_in_place(arrays, prefix):
@@ -71,6 +89,21 @@ def mpitrain_in_place(arrays, prefix):
                    for i, a in enumerate(arrays)]
         for handle in handles:
             mt.synchronize(handle)
+    return run
+
+
+def mpitrain_out_of_place(arrays, prefix):
+    """Reduce into new arrays, as most users call it. The results are held
+    until the next call, as a user's loop holds them while it computes the
+    next ones; run() returns the previous results for slowest() to drop."""
+    held = []
+
+    def run():
+        handles = [mt.allreduce_async(a, name=f"{prefix}.{i}", op=mt.Sum)
+                   for i, a in enumerate(arrays)]
+        previous = list(held)
+        held[:] = [mt.synchronize(handle) for handle in handles]
+        return previous
     return run
 
 
@@ -136,19 +169,59 @@ def memory_growth(world, steps):
     return world.allreduce(resident_kib() - before, op=MPI.MAX)
 
 
+class TargetRow(NamedTuple):
+    case: str            # the tensors reduced
+    call: str            # the call form
+    baseline: str        # the raw call of the same bytes
+    mpitrain: list       # seconds per repetition
+    raw: list            # seconds per repetition, the same repetitions
+
+
+CALL_FORMS = {"in place (output=a)": mpitrain_in_place,
+              "out of place": mpitrain_out_of_place}
+
+
 def targets(world, repetitions):
+    """Both call forms of both target sets, each against one raw call of the
+    same bytes, all taking turns within each repetition."""
     model = model_like(64 * MiB)
     small = [np.ones(4096, np.float32) for _ in range(200)]
     rows = []
-    for label, arrays, baseline in (
+    for case, arrays, baseline in (
             (f"{len(model)} tensors, 64 MiB in all", model, "1 x 64 MiB"),
             ("200 tensors x 16 KiB", small, "1 x 3.2 MB")):
         total = sum(a.size for a in arrays)
-        result = alternate(world, {
-            "raw": raw(world, np.ones(total, np.float32)),
-            "mpitrain": mpitrain_in_place(arrays, label.split()[0])}, repetitions)
-        rows.append((label, baseline, result["mpitrain"], result["raw"]))
+        variants = {"raw": raw(world, np.ones(total, np.float32))}
+        for call, runner in CALL_FORMS.items():
+            variants[call] = runner(arrays, f"{case.split()[0]}.{call.split()[0]}")
+        times = alternate_times(world, variants, repetitions)
+        rows += [TargetRow(case, call, baseline, times[call], times["raw"])
+                 for call in CALL_FORMS]
     return rows
+
+
+def median_and_range(values, digits=2, unit=""):
+    """'median (min-max)' of values."""
+    return (f"{statistics.median(values):.{digits}f}{unit} "
+            f"({min(values):.{digits}f}-{max(values):.{digits}f})")
+
+
+def target_table(rows, repetitions):
+    """Markdown table of the targets: times in ms and ratios to raw, each a
+    median with its range over the repetitions."""
+    lines = [f"Targets: medians of {repetitions} repetitions (min-max in brackets); "
+             "mpitrain / raw is taken per repetition, against the raw call of the "
+             "same repetition.", "",
+             "| case | call | mpitrain, ms | raw mpi4py, ms | mpitrain / raw |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        ratios = [ours / theirs for ours, theirs in zip(row.mpitrain, row.raw)]
+        lines.append(
+            f"| {row.case} | {row.call} "
+            f"| {median_and_range([t * 1e3 for t in row.mpitrain])} "
+            f"| {median_and_range([t * 1e3 for t in row.raw])}, {row.baseline} "
+            f"| {median_and_range(ratios, unit='x')} |")
+    return lines
 
 
 def sweep(world, repetitions, gloo_for):
@@ -174,17 +247,17 @@ def health(idle, idle_seconds, growth, steps):
             f"{growth:+d} KiB (busiest rank)."]
 
 
-def report(world, target_rows, sweep_rows, footer, out):
+def ranks_line(size):
+    return (f"Ranks: {size} ({os.cpu_count()} cores"
+            + (", oversubscribed" if size > (os.cpu_count() or 1) else "") + "); "
+            "times of the slowest rank over alternated repetitions.")
+
+
+def report(world, target_lines, sweep_rows, footer, out):
     size = world.size
-    lines = [f"Ranks: {size} ({os.cpu_count()} cores"
-             + (", oversubscribed" if size > (os.cpu_count() or 1) else "") + "); "
-             "medians of the slowest rank over alternated repetitions.", "",
-             "| case | mpitrain | raw mpi4py | ratio |", "|---|---|---|---|"]
-    for label, baseline, ours, theirs in target_rows:
-        lines.append(f"| {label} | {ours * 1e3:.2f} ms | {theirs * 1e3:.2f} ms "
-                     f"({baseline}) | {ours / theirs:.2f}x |")
+    lines = [ranks_line(size), ""] + target_lines
     variants = list(sweep_rows[0][1])
-    lines += ["", "Bus bandwidth, GB/s (time in ms):", "",
+    lines += ["", "Bus bandwidth, GB/s (median time in ms):", "",
               "| size | " + " | ".join(variants) + " |",
               "|---" * (len(variants) + 1) + "|"]
     for nbytes, result in sweep_rows:
@@ -243,17 +316,11 @@ def main():
     growth = memory_growth(world, args.memory_steps)
     footer = health(idle, args.idle_seconds, growth, args.memory_steps)
     if world.rank == 0:
+        target_lines = target_table(target_rows, args.repetitions)
         if sweep_rows:
-            report(world, target_rows, sweep_rows, footer, args.out)
+            report(world, target_lines, sweep_rows, footer, args.out)
         else:
-            report_targets_only(target_rows, footer)
-
-
-def report_targets_only(target_rows, footer):
-    for label, baseline, ours, theirs in target_rows:
-        print(f"{label:<28} mpitrain {ours * 1e3:8.2f} ms   raw {theirs * 1e3:8.2f} ms "
-              f"({baseline})   {ours / theirs:5.2f}x")
-    print("\n".join(footer))
+            print("\n".join([ranks_line(world.size), ""] + target_lines + [""] + footer))
 
 
 if __name__ == "__main__":
