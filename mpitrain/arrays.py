@@ -23,9 +23,15 @@ def empty(shape, dtype):
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return aligned_bytes(np.empty(nbytes + ALIGNMENT, dtype=np.uint8),
+                         nbytes).view(dtype).reshape(shape)
+
+
+def aligned_bytes(owner, nbytes):
+    """The first ``nbytes`` of the uint8 array ``owner`` (allocated ALIGNMENT
+    bytes longer) that start on an ALIGNMENT boundary."""
+    start = -owner.ctypes.data % ALIGNMENT
+    return owner[start:start + nbytes]
 
 
 def scale_into(source, factor, out):

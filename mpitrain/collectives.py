@@ -18,12 +18,14 @@ from mpitrain.channel import as_bytes
 from mpitrain.errors import GpuError
 from mpitrain.gpu import transport
 from mpitrain.ops import OpType, ReduceOp
+from mpitrain.recycled import RecycledBuffers
 
 
 class Executor:
     def __init__(self, channel, buffers, finish, fail, timeline, devices):
         self.channel = channel
         self.buffers = buffers
+        self.results = RecycledBuffers()   # out-of-place results in host memory
         self.finish = finish          # finish(entry, value)
         self.fail = fail              # fail(entry, error), this rank only
         self.timeline = timeline      # holder with .current: Timeline or None
@@ -140,6 +142,12 @@ class Executor:
                 return arrays.of(member.input)
         return arrays.HOST if response.device < 0 else arrays.current_device()
 
+    def _result(self, backend, shape, dtype):
+        """A new array for an out-of-place result (in recycled host memory)."""
+        if backend is arrays.HOST:
+            return self.results.empty(shape, dtype.numpy)
+        return backend.empty(shape, dtype.numpy)
+
     def _integer_scaling(self, response, wire):
         """(scale, divisor) for a sum of integers, applied once to the whole sum,
         or None where the factors multiply floats before and after the sum."""
@@ -187,7 +195,7 @@ class Executor:
                 continue
             output = member.output
             if output is None:
-                output = backend.empty(response.shape, member.dtype.numpy)
+                output = self._result(backend, response.shape, member.dtype)
             done.append((member, output))
             views.append(view)
             outputs.append(output)
@@ -205,18 +213,19 @@ class Executor:
         if output is not None and not output.flags.c_contiguous:
             output = None
         if output is None:
-            output = backend.empty(response.shape, entry.dtype.numpy)
+            output = self._result(backend, response.shape, entry.dtype)
         prescale = response.prescale
         if integer is not None:
             prescale, factor = 1.0, 1.0
         elif output is not entry.input and _scales_early(response, entry.dtype):
             # Scale in the copy that happens anyway, not in a pass of its own.
             prescale, factor = prescale * factor, 1.0
+        fill = None
         if output is not entry.input or prescale != 1.0:
-            backend.scale_into(entry.input, prescale, output)
+            fill = _filler(entry.input, prescale, output, backend)
         yield from self._traced([response.name], "MPI_ALLREDUCE",
                                 self._reduce(output.reshape(-1), response.op, backend,
-                                             factor))
+                                             factor, fill))
         if integer is not None and integer != (1.0, 1):
             backend.scale_integers(output.reshape(-1), *integer)
         if entry.output is not None and output is not entry.output:
@@ -225,16 +234,22 @@ class Executor:
         backend.settle()
         self.finish(entry, output)
 
-    def _reduce(self, buffer, op, backend, factor=1.0):
-        """Allreduce a 1-D buffer in place across the set, then multiply it by factor."""
+    def _reduce(self, buffer, op, backend, factor=1.0, fill=None):
+        """Allreduce a 1-D buffer in place across the set, then multiply it by factor.
+
+        fill(start, stop), if given, writes the input into buffer[start:stop] first.
+        """
         scale = None if factor == 1.0 else (
             lambda start, stop: backend.scale_into(buffer[start:stop], factor,
                                                    buffer[start:stop]))
+        if self.channel.size > 1 and backend is arrays.HOST:
+            # Fill each chunk right before its MPI call and scale it right
+            # after, while it is in cache: a pass over cold memory costs more.
+            yield from self.channel.allreduce(buffer, op, before=fill, after=scale)
+            return
+        if fill is not None:
+            fill(0, buffer.size)
         if self.channel.size > 1:
-            if backend is arrays.HOST:
-                # Scale each chunk right after its MPI call, while it is in cache.
-                yield from self.channel.allreduce(buffer, op, after=scale)
-                return
             yield from self.devices.allreduce(buffer, op, self.channel, backend)
         if scale is not None:
             scale(0, buffer.size)
@@ -330,6 +345,20 @@ def _in_place_and_unscaled(response, factor, members):
     """Would the allreduce of one rank leave every tensor as it is?"""
     return (response.prescale == 1.0 and factor == 1.0
             and all(member is None or member.output is member.input for member in members))
+
+
+def _filler(source, factor, output, backend):
+    """fill(start, stop): output's flat elements start:stop = source's times factor.
+
+    A source that is not contiguous is copied whole at the first call.
+    """
+    flat_out = output.reshape(-1)
+    if source.flags.c_contiguous:
+        flat_in = source.reshape(-1)
+        return lambda start, stop: backend.scale_into(flat_in[start:stop], factor,
+                                                      flat_out[start:stop])
+    return lambda start, stop: (backend.scale_into(source, factor, output)
+                                if start == 0 else None)
 
 
 def _now(function, *args):

@@ -60,6 +60,28 @@ def test_input_is_not_modified_and_output_is_new():
 
 
 @mpi_test(np=(1, 2, 3))
+def test_results_held_keep_their_values_and_dropped_ones_lend_their_memory():
+    """Out-of-place results are recycled, but never while anything holds them."""
+    n = mt.size()
+    small, large = (np.full(1000, mt.rank() + 1.0), np.full(300_000, mt.rank() + 1.0))
+    for x in (small, large):
+        want = sum(range(1, n + 1))
+        held = mt.allreduce(x, op=mt.Sum, name="recycled")
+        piece = mt.allreduce(x * 2, op=mt.Sum, name="recycled")[10:20]  # the rest dropped
+        address = held.ctypes.data
+        for step in range(3):                     # results of the same size come and go
+            again = mt.allreduce(x * (step + 3), op=mt.Sum, name="recycled")
+            np.testing.assert_array_equal(again, want * (step + 3))
+            del again
+        np.testing.assert_array_equal(held, want)
+        np.testing.assert_array_equal(piece, want * 2)
+        del held
+        reused = mt.allreduce(x, op=mt.Sum, name="recycled")
+        assert reused.ctypes.data == address
+        np.testing.assert_array_equal(reused, want)
+
+
+@mpi_test(np=(1, 2, 3))
 def test_prescale_and_postscale():
     r, n = mt.rank(), mt.size()
     x = np.full(4, r + 1.0, dtype=np.float64)

@@ -60,6 +60,17 @@ def test_average_default_and_deprecated_average_flag():
 
 
 @mpi_test()
+def test_a_view_of_a_dropped_result_keeps_its_values_through_later_calls():
+    x = torch.full((200_000,), hvd.rank() + 1.0)
+    want = sum(range(1, hvd.size() + 1))
+    view = hvd.allreduce(x, op=hvd.Sum, name="kept")[5:10]   # the result itself dropped
+    for step in range(3):
+        later = hvd.allreduce(x * (step + 2), op=hvd.Sum, name="kept")
+        assert torch.equal(later, torch.full_like(x, want * (step + 2)))
+    assert torch.equal(view, torch.full((5,), float(want)))
+
+
+@mpi_test()
 def test_async_poll_synchronize_and_reverse_submission_order():
     r, n = hvd.rank(), hvd.size()
     order = range(10) if r % 2 == 0 else reversed(range(10))

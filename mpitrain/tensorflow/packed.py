@@ -12,19 +12,18 @@ ranks whose layouts differ all find out together and raise a MismatchError
 that lists each rank's shapes, instead of mixing unrelated gradients.
 """
 
-import sys
 import zlib
 
 import numpy as np
 
 import mpitrain as mt
-from mpitrain import arrays
 from mpitrain.arrays import ALIGNMENT
 from mpitrain.errors import MismatchError
 from mpitrain.ops import Average, Sum
+from mpitrain.recycled import RecycledBuffers
 
 PACKABLE = (np.dtype(np.float32), np.dtype(np.float64))
-_KEPT_PER_LAYOUT = 4        # buffers still held by TensorFlow when the next step starts
+_KEPT_PER_SIZE = 4          # buffers still held by TensorFlow when the next step starts
 
 
 class _Packing:
@@ -43,9 +42,6 @@ class _Packing:
         fingerprint = zlib.crc32(repr(layout).encode()) + 1
         self.fingerprint = np.array([fingerprint, -fingerprint], dtype=np.int64)
 
-    def new_buffer(self):
-        return arrays.empty((self.nbytes,), np.uint8)
-
     def views(self, buffer):
         return [buffer[offset:offset + int(np.prod(shape, dtype=np.int64))
                        * self.dtype.itemsize].view(self.dtype).reshape(shape)
@@ -57,28 +53,14 @@ class PackedReducer:
 
     def __init__(self):
         self._packings = {}       # layout -> _Packing
-        self._buffers = {}        # layout -> buffers, each maybe still in use
-        self._idle_references = None
-
-    def _buffer(self, packing):
-        kept = self._buffers.setdefault(packing.layout, [])
-        for buffer in kept:
-            # A result still alive holds a reference to the buffer's memory.
-            if sys.getrefcount(buffer.base) == self._idle_references:
-                return buffer
-        buffer = packing.new_buffer()
-        if self._idle_references is None:
-            self._idle_references = sys.getrefcount(buffer.base)
-        if len(kept) < _KEPT_PER_LAYOUT:
-            kept.append(buffer)
-        return buffer
+        self._buffers = RecycledBuffers(per_size=_KEPT_PER_SIZE)
 
     def reduce(self, arrays, name, op, prescale_factor, postscale_factor, process_set):
         layout = tuple((a.shape, a.dtype.str) for a in arrays)
         packing = self._packings.get(layout)
         if packing is None:
             packing = self._packings[layout] = _Packing(layout)
-        buffer = self._buffer(packing)
+        buffer = self._buffers.take(packing.nbytes)
         views = packing.views(buffer)
         # Averaging folded into the packing copy: the engine then only sums.
         scale = prescale_factor / (process_set.size() if op == Average else 1)
