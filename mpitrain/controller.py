@@ -33,6 +33,10 @@ _MOVES_DATA = frozenset({OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST,
 HEARTBEAT = 1.0          # seconds between rounds of an idle rank
 MAX_PAUSE = 0.01         # longest pause between rounds of a rank with work
 SPIN = 50e-6             # seconds to test a fresh request before sleeping on it
+# Each publication wakes the threads waiting on handles, which on a shared
+# core costs a context switch away from the MPI calls: a round's results are
+# published together, and a long round's every this many seconds.
+PUBLISH_EVERY = 5e-3
 
 
 class EngineStopped(Exception):
@@ -362,6 +366,7 @@ class SetController:
         if timeline is not None:
             timeline.end([name for group in groups for name in group.names
                           if name in entries and not entries[name].ghost])
+        published = time.monotonic()
         for group in groups:
             response = group.responses[0]
             kind = response.kind
@@ -385,7 +390,10 @@ class SetController:
                 self._finish(entries[response.name], result)
             else:
                 yield from self.executor.run(group, entries)
-            self._complete()
+            if time.monotonic() - published > PUBLISH_EVERY:
+                self._complete()
+                published = time.monotonic()
+        self._complete()
 
     # -- completing entries ---------------------------------------------------
 
