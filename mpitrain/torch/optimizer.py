@@ -3,7 +3,9 @@
 Each parameter's gradient is submitted from a post-accumulate-grad hook as
 soon as autograd has produced it, so communication overlaps the rest of the
 backward pass; the reduction writes into ``p.grad`` in place. ``step()``
-waits for every submission, then steps the wrapped optimizer.
+waits for every submission, then steps the wrapped optimizer. From the
+second step on, small gradients live in flat buckets (mpitrain.torch.buckets),
+each reduced as one tensor once its last gradient has arrived.
 """
 
 import contextlib
@@ -13,11 +15,13 @@ import weakref
 
 import torch
 
+from mpitrain import basics
 from mpitrain.errors import CollectiveNotImplementedError
 from mpitrain.handles import synchronize_all
 from mpitrain.objects import broadcast_object
 from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.process_sets import global_process_set
+from mpitrain.torch import buckets
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
                                 sparse_allreduce_async)
@@ -49,9 +53,12 @@ class _DistributedOptimizer:
             _communication_can_overlap(self._trained) if overlap is None
             else bool(overlap))
         self._passes_left = {p: backward_passes_per_step for p in self._trained}
-        self._group_of = _form_groups(self._trained, groups, self._names, process_set)
-        self._group_arrived = dict.fromkeys(set(self._group_of.values()), 0)
-        self._pending = {}          # parameter or group tuple -> (handle, write back)
+        # A parameter in a group (a tuple) or a bucket travels with the others
+        # in it once their gradients have all arrived; the rest travel alone.
+        self._unit_of = _form_groups(self._trained, groups, self._names, process_set)
+        self._arrived = dict.fromkeys(set(self._unit_of.values()), 0)
+        self._buckets = None        # formed after the first synchronize
+        self._pending = {}          # parameter, group or bucket -> (handle, write back)
         self._synchronized = False
         self._should_synchronize = True
         if process_set.included():
@@ -78,16 +85,18 @@ class _DistributedOptimizer:
                 "step(). Increase backward_passes_per_step to accumulate gradients "
                 "locally.")
         self._passes_left[p] -= 1
+        unit = self._unit_of.get(p)
+        if isinstance(unit, buckets.Bucket):
+            unit.take(p)                # into its view while the gradient is in cache
         if self._passes_left[p] > 0 or not self._overlap:
             return                      # without overlap, step() submits them all
         try:
-            group = self._group_of.get(p)
-            if group is None:
+            if unit is None:
                 self._pending[p] = self._submit(p)
                 return
-            self._group_arrived[group] += 1
-            if self._group_arrived[group] == len(group):
-                self._pending[group] = self._submit_group(group)
+            self._arrived[unit] += 1
+            if self._arrived[unit] == len(unit):
+                self._pending[unit] = self._submit_unit(unit)
         except Exception:
             # Backward ends here: without this, the gradients submitted before
             # would stay counted as in flight and zero_grad() would refuse forever.
@@ -96,6 +105,11 @@ class _DistributedOptimizer:
             raise
 
     # -- submissions -----------------------------------------------------------
+
+    def _submit_unit(self, unit):
+        if isinstance(unit, buckets.Bucket):
+            return self._submit_bucket(unit)
+        return self._submit_group(unit) if isinstance(unit, tuple) else self._submit(unit)
 
     def _submit(self, p):
         """Start reducing p.grad; returns (handle, write back of the result)."""
@@ -122,6 +136,20 @@ class _DistributedOptimizer:
         def write_back(results):
             for p, result, ctx in zip(group, results, contexts):
                 self._write_back(p, result, ctx)
+
+        return handle, write_back
+
+    def _submit_bucket(self, bucket):
+        """One in-place allreduce of the flat bucket (compressed once)."""
+        tensor, ctx = self._compression.compress(bucket.gather())
+        handle = allreduce_async_(tensor, None, bucket.name, self._op, *self._scale,
+                                  self._process_set)
+
+        def write_back(result):
+            result = self._compression.decompress(result, ctx)
+            if result is not bucket.flat:
+                bucket.flat.copy_(result)
+            bucket.point()
 
         return handle, write_back
 
@@ -158,7 +186,31 @@ class _DistributedOptimizer:
         self._start_over()
         if errors:
             raise errors[0]
+        if self._buckets is None:
+            self._form_buckets()
         self._synchronized = True
+
+    def _form_buckets(self):
+        """Put the small dense gradients into buckets, the same on every rank.
+
+        After the first synchronize: its allreduces have checked the shapes
+        across ranks, and every p.grad is set, so sparse ones show. Sparse
+        gradients stay out even with sparse_as_dense, which gives them back
+        sparse. Rank 0's plan is followed.
+        """
+        candidates = [p for p in self._trained if p not in self._unit_of
+                      and not p.grad.is_sparse and buckets.small(p)]
+        threshold = basics.engine().config.fusion_threshold
+        plan = broadcast_object(
+            buckets.plan(candidates, self._names, threshold or buckets.DEFAULT_CAP)
+            if self._process_set.rank() == 0 else None,
+            0, "DistributedOptimizer.buckets", self._process_set)
+        self._buckets = buckets.form(plan, {self._names[p]: p for p in self._trained},
+                                     self._process_set.rank())
+        for bucket in self._buckets:
+            bucket.gather()             # p.grad becomes its view, holding its value
+            self._unit_of.update(dict.fromkeys(bucket.params, bucket))
+            self._arrived[bucket] = 0
 
     def drop_step(self):
         """Throw this step's gradients away and start the next step clean.
@@ -183,11 +235,10 @@ class _DistributedOptimizer:
         """Submit every gradient not yet in flight; returns the errors."""
         errors = []
         for p in self._trained:
-            unit = self._group_of.get(p, p)
+            unit = self._unit_of.get(p, p)
             if unit not in self._pending:
                 try:
-                    self._pending[unit] = (self._submit_group(unit) if unit is not p
-                                           else self._submit(p))
+                    self._pending[unit] = self._submit_unit(unit)
                 except Exception as error:  # submit the rest, so no peer waits for them
                     errors.append(error)
         return errors
@@ -205,7 +256,7 @@ class _DistributedOptimizer:
         """Forget this step's gradients: none is counted as arrived or in flight."""
         self._pending.clear()
         self._passes_left = dict.fromkeys(self._trained, self._passes_per_step)
-        self._group_arrived = dict.fromkeys(self._group_arrived, 0)
+        self._arrived = dict.fromkeys(self._arrived, 0)
         self._synchronized = False
 
     @contextlib.contextmanager
