@@ -115,24 +115,28 @@ def test_small_gradients_share_one_bucket_and_are_never_copied_when_kept():
 @mpi_test(np=(2, 3))
 def test_set_to_none_leaves_no_gradient_and_step_gives_the_average_in_the_bucket():
     r, n = hvd.rank(), hvd.size()
-    model = make_model()
     copy = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                         named_parameters=model.named_parameters())
-    for step in range(3):
-        optimizer.zero_grad()
-        assert all(p.grad is None for p in model.parameters())
-        x, y = batch(10 * step + r, ROWS)
-        copy.zero_grad()
-        F.mse_loss(copy(x), y).backward()
-        everyone = hvd.allgather_object([p.grad for p in copy.parameters()])
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        for (name, p), parts in zip(model.named_parameters(), zip(*everyone)):
-            torch.testing.assert_close(p.grad, sum(parts) / n, rtol=1e-5, atol=1e-7,
-                                       msg=name)
-        if step:
-            assert_in_one_bucket(model)
+    for overlap in (True, False):
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0), overlap=overlap,
+            named_parameters=model.named_parameters())
+        for step in range(3):
+            optimizer.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+            x, y = batch(10 * step + r, ROWS)
+            copy.zero_grad()
+            F.mse_loss(copy(x), y).backward()
+            everyone = hvd.allgather_object([p.grad for p in copy.parameters()])
+            F.mse_loss(model(x), y).backward()
+            if step:    # each gradient went into its view as soon as it arrived
+                assert_in_one_bucket(model)
+            optimizer.step()
+            for (name, p), parts in zip(model.named_parameters(), zip(*everyone)):
+                torch.testing.assert_close(p.grad, sum(parts) / n, rtol=1e-5,
+                                           atol=1e-7, msg=name)
+            if step:
+                assert_in_one_bucket(model)
 
 
 @mpi_test(np=(2, 3))
@@ -150,16 +154,17 @@ def test_a_gradient_the_user_replaced_is_still_averaged():
             # Before backward: autograd accumulates into the user's tensor.
             first.grad = torch.full_like(first, 10.0 * (r + 1))
             F.mse_loss(model(x), y).backward()
-            local = first.grad.clone()
-            if not overlap:
-                # After backward, before step() sends it: the user's tensor counts.
-                last.grad = torch.full_like(last, float(r + 1))
+            local, sent = first.grad.clone(), last.grad.clone()
+            # After backward: before step() sends it, the user's tensor counts;
+            # once sent (overlap), the average of what was sent replaces it.
+            last.grad = torch.full_like(last, float(r + 1))
             optimizer.step()
-            everyone = hvd.allgather_object(local)
-            torch.testing.assert_close(first.grad, sum(everyone) / n, rtol=1e-5,
-                                       atol=1e-6)
-            if not overlap:
-                torch.testing.assert_close(last.grad, torch.full_like(last, (n + 1) / 2))
+            everyone = hvd.allgather_object((local, sent))
+            torch.testing.assert_close(first.grad, sum(e[0] for e in everyone) / n,
+                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                last.grad, sum(e[1] for e in everyone) / n if overlap
+                else torch.full_like(last, (n + 1) / 2), rtol=1e-5, atol=1e-6)
             if step:
                 assert_in_one_bucket(model)
 
