@@ -102,7 +102,8 @@ def form(plan_names, by_name, rank):
     missing = [name for names in plan_names for name in names if name not in by_name]
     if missing:
         raise ValueError(
-            f"rank {rank} has no parameter named {', '.join(sorted(missing))}, which "
-            "rank 0 puts in a gradient bucket; every rank must build the same model")
+            f"rank {rank} has no parameter outside groups named "
+            f"{', '.join(sorted(missing))}, which rank 0 puts in a gradient bucket; "
+            "every rank must build the same model and groups")
     return [Bucket(index, names, [by_name[name] for name in names])
             for index, names in enumerate(plan_names)]

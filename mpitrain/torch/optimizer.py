@@ -205,8 +205,8 @@ class _DistributedOptimizer:
             buckets.plan(candidates, self._names, threshold or buckets.DEFAULT_CAP)
             if self._process_set.rank() == 0 else None,
             0, "DistributedOptimizer.buckets", self._process_set)
-        self._buckets = buckets.form(plan, {self._names[p]: p for p in self._trained},
-                                     self._process_set.rank())
+        ungrouped = {self._names[p]: p for p in self._trained if p not in self._unit_of}
+        self._buckets = buckets.form(plan, ungrouped, self._process_set.rank())
         for bucket in self._buckets:
             bucket.gather()             # p.grad becomes its view, holding its value
             self._unit_of.update(dict.fromkeys(bucket.params, bucket))
