@@ -17,7 +17,8 @@ from mpitrain.torch import buckets
 from tests.mpi_harness import mpi_test
 from tests.test_torch_optimizer import (ROWS, adam, assert_close,
                                         assert_identical_across_ranks, batch,
-                                        embedding_loss, sgd)
+                                        check_against_one_process, embedding_loss,
+                                        sgd)
 
 torch.set_num_threads(1)
 
@@ -45,32 +46,10 @@ def storage(tensor):
     return tensor.untyped_storage().data_ptr()
 
 
-def train(make_optimizer, steps=4, passes=1, set_to_none=True, atol=1e-6,
-          after_step=None, make_reference=None, **options):
-    """Train on this rank's shard and check each step against one process
-    on the whole batch; returns the model and the optimizer."""
-    r, n = hvd.rank(), hvd.size()
-    reference, model = make_model(), make_model()
-    reference_optimizer = (make_reference or make_optimizer)(reference.parameters())
-    optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
-                                         named_parameters=model.named_parameters(),
-                                         backward_passes_per_step=passes, **options)
-    for step in range(steps):
-        x, y = batch(step, n * passes * ROWS)
-        reference_optimizer.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        reference_optimizer.step()
-
-        optimizer.zero_grad(set_to_none=set_to_none)
-        mine = slice(r * passes * ROWS, (r + 1) * passes * ROWS)
-        for part in torch.arange(passes * ROWS).split(ROWS):
-            (F.mse_loss(model(x[mine][part]), y[mine][part]) / passes).backward()
-        optimizer.step()
-        assert_close(model, reference, atol)
-        assert_identical_across_ranks(model)
-        if after_step is not None:
-            after_step(step, model, reference)
-    return model, optimizer
+def train(make_optimizer, **options):
+    """Train this model against one process on the whole batch (see
+    test_torch_optimizer.check_against_one_process)."""
+    return check_against_one_process(make_optimizer, model_factory=make_model, **options)
 
 
 def assert_in_one_bucket(model):

@@ -44,10 +44,14 @@ def local_gradients(model, loss):
     return grads
 
 
-def check_against_one_process(make_optimizer, steps=4, passes=1, atol=1e-6, **options):
+def check_against_one_process(make_optimizer, steps=4, passes=1, atol=1e-6,
+                              set_to_none=True, after_step=None, make_reference=None,
+                              model_factory=make_model, **options):
+    """Train on this rank's shard and check each step against one process
+    on the whole batch; returns the model and the optimizer."""
     r, n = hvd.rank(), hvd.size()
-    reference, model = make_model(), make_model()
-    reference_optimizer = make_optimizer(reference.parameters())
+    reference, model = model_factory(), model_factory()
+    reference_optimizer = (make_reference or make_optimizer)(reference.parameters())
     optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
                                          named_parameters=model.named_parameters(),
                                          backward_passes_per_step=passes, **options)
@@ -57,13 +61,16 @@ def check_against_one_process(make_optimizer, steps=4, passes=1, atol=1e-6, **op
         F.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
 
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         mine = slice(r * passes * ROWS, (r + 1) * passes * ROWS)
         for part in torch.arange(passes * ROWS).split(ROWS):
             (F.mse_loss(model(x[mine][part]), y[mine][part]) / passes).backward()
         optimizer.step()
         assert_close(model, reference, atol)
         assert_identical_across_ranks(model)
+        if after_step is not None:
+            after_step(step, model, reference)
+    return model, optimizer
 
 
 def sgd(params):
