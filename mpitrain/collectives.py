@@ -222,7 +222,10 @@ class Executor:
             prescale, factor = prescale * factor, 1.0
         fill = None
         if output is not entry.input or prescale != 1.0:
-            fill = _filler(entry.input, prescale, output, backend)
+            if entry.input.flags.c_contiguous:
+                fill = _filler(entry.input, prescale, output, backend)
+            else:
+                backend.scale_into(entry.input, prescale, output)
         yield from self._traced([response.name], "MPI_ALLREDUCE",
                                 self._reduce(output.reshape(-1), response.op, backend,
                                              factor, fill))
@@ -348,17 +351,11 @@ def _in_place_and_unscaled(response, factor, members):
 
 
 def _filler(source, factor, output, backend):
-    """fill(start, stop): output's flat elements start:stop = source's times factor.
-
-    A source that is not contiguous is copied whole at the first call.
-    """
-    flat_out = output.reshape(-1)
-    if source.flags.c_contiguous:
-        flat_in = source.reshape(-1)
-        return lambda start, stop: backend.scale_into(flat_in[start:stop], factor,
-                                                      flat_out[start:stop])
-    return lambda start, stop: (backend.scale_into(source, factor, output)
-                                if start == 0 else None)
+    """fill(start, stop): the contiguous source's flat elements start:stop,
+    times factor, into output's."""
+    flat_in, flat_out = source.reshape(-1), output.reshape(-1)
+    return lambda start, stop: backend.scale_into(flat_in[start:stop], factor,
+                                                  flat_out[start:stop])
 
 
 def _now(function, *args):

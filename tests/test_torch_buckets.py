@@ -18,7 +18,7 @@ from tests.mpi_harness import mpi_test
 from tests.test_torch_optimizer import (ROWS, adam, assert_close,
                                         assert_identical_across_ranks, batch,
                                         check_against_one_process, embedding_loss,
-                                        sgd)
+                                        loss_of, sgd, two_heads)
 
 torch.set_num_threads(1)
 
@@ -205,16 +205,6 @@ def test_ranks_listing_parameters_in_other_orders_form_rank_0s_buckets():
 @mpi_test(np=(2, 3))
 def test_a_parameter_without_gradient_on_some_ranks_contributes_zeros_from_its_bucket():
     r, n = hvd.rank(), hvd.size()
-
-    def two_heads():
-        torch.manual_seed(1)
-        return torch.nn.ModuleDict({"body": torch.nn.Linear(4, 4),
-                                    "a": torch.nn.Linear(4, 1), "b": torch.nn.Linear(4, 1)})
-
-    def loss_of(net, x):
-        head = net["a"] if r == 0 else net["b"]       # rank 0 never touches head b
-        return head(net["body"](x)).pow(2).mean()
-
     for set_to_none in (True, False):
         model, copy = two_heads(), two_heads()
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

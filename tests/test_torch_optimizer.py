@@ -133,18 +133,21 @@ def test_sum_and_predivide_factor():
                                  gradient_predivide_factor=2.0)
 
 
+def two_heads():
+    """A body and two heads, of which each rank's loss uses one (see loss_of)."""
+    torch.manual_seed(1)
+    return torch.nn.ModuleDict({"body": torch.nn.Linear(4, 4),
+                                "a": torch.nn.Linear(4, 1), "b": torch.nn.Linear(4, 1)})
+
+
+def loss_of(net, x):
+    head = net["a"] if hvd.rank() == 0 else net["b"]     # rank 0 never touches head b
+    return head(net["body"](x)).pow(2).mean()
+
+
 @mpi_test()
 def test_parameters_without_gradient_on_some_ranks_get_zeros_instead_of_a_hang():
     r = hvd.rank()
-
-    def two_heads():
-        torch.manual_seed(1)
-        return torch.nn.ModuleDict({"body": torch.nn.Linear(4, 4),
-                                    "a": torch.nn.Linear(4, 1), "b": torch.nn.Linear(4, 1)})
-
-    def loss_of(net, x):
-        head = net["a"] if r == 0 else net["b"]       # rank 0 never touches head b
-        return head(net["body"](x)).pow(2).mean()
 
     model, copy = two_heads(), two_heads()
     x = batch(r, ROWS)[0][:, :4]

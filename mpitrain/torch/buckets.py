@@ -67,9 +67,6 @@ class Bucket:
     def __len__(self):
         return len(self.params)
 
-    def view(self, p):
-        return self._views[p]
-
     def take(self, p):
         """Make ``p.grad`` its view, copying in what autograd or the user put
         there instead (zeros for None)."""
