@@ -1,0 +1,162 @@
+"""mpitrain jobs across hosts: network namespaces on this machine, so that
+Open MPI starts a daemon per host and the ranks talk TCP between hosts
+(tests/hosts.py). Topology, every collective, the examples' accuracy, a rank
+dying on one host, and mpitrainrun's -H, --hostfile and --network-interface."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.hosts import namespace_hosts
+from tests.mpi_harness import ROOT, job_environment, kill_session
+
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    version = (subprocess.run([MPIRUN, "--version"], capture_output=True, text=True).stdout
+               if os.path.exists(MPIRUN) else "nothing: it is not there")
+    if not re.search(r"Open MPI\) ([5-9]|\d\d)\.", version):
+        pytest.skip(f"the hosts are started through Open MPI 5's launcher; {MPIRUN} "
+                    f"says {version.strip()[:80]!r}")
+    with namespace_hosts(3) as made:
+        yield made
+
+
+def run(command, hosts, timeout):
+    """Run a job; a job still running after ``timeout`` seconds fails the test."""
+    process = subprocess.Popen(command, cwd=ROOT, env=job_environment(hosts.environment()),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(process.pid)
+        hosts.kill_processes()
+        out, err = process.communicate()
+        pytest.fail(f"still running after {timeout} s: {' '.join(command)}\n"
+                    f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def run_script(hosts, layout, script, *args, timeout=60):
+    """Run tests/scripts/<script> with layout[i] ranks on host i through mpirun."""
+    # No --oversubscribe: with it, Open MPI 5.0 fills the first host beyond
+    # its slots (-H a:3,b:1 puts all 4 ranks on a). The hosts start from a
+    # login's environment: pass on what the job needs.
+    command = [MPIRUN, "-np", str(sum(layout)), "-H", hosts.spec(*layout),
+               "-x", "OMP_NUM_THREADS", sys.executable, os.path.join(SCRIPTS, script)]
+    return run(command + list(args), hosts, timeout)
+
+
+def succeeded(job):
+    assert job.returncode == 0, (f"exit code {job.returncode}\n--- stdout ---\n"
+                                 f"{job.stdout[-3000:]}\n--- stderr ---\n{job.stderr[-6000:]}")
+    return job.stdout
+
+
+def topology_reports(stdout):
+    """Every rank's TOPOLOGY line, in rank order."""
+    reports = [json.loads(line) for line in re.findall(r"TOPOLOGY (\{.*\})", stdout)]
+    return sorted(reports, key=lambda report: report["rank"])
+
+
+def expected_topology(hosts, layout):
+    """What each rank should report when host i runs layout[i] ranks, filled
+    host by host, as -H hands out slots."""
+    expected = []
+    for host, count in enumerate(layout):
+        for local_rank in range(count):
+            # Horovod's cross communicator: the ranks with the same local rank.
+            peers = [other for other, slots in enumerate(layout) if slots > local_rank]
+            expected.append({
+                "hostname": hosts.hostnames[host],
+                "rank": len(expected), "size": sum(layout),
+                "local_rank": local_rank, "local_size": count,
+                "cross_rank": peers.index(host), "cross_size": len(peers),
+                "is_homogeneous": len(set(layout)) == 1,
+                "sum_of_ranks": sum(range(sum(layout)))})
+    return expected
+
+
+def without(reports, key):
+    return [{k: v for k, v in report.items() if k != key} for report in reports]
+
+
+@pytest.mark.parametrize("layout", [(3, 1), (1, 2, 1)], ids=["3+1", "1+2+1"])
+def test_topology_across_hosts(hosts, layout):
+    reports = topology_reports(succeeded(run_script(hosts, layout, "multihost_topology.py")))
+    assert without(reports, "fusion_threshold") == expected_topology(hosts, layout)
+
+
+def test_every_collective_across_hosts(hosts):
+    stdout = succeeded(run_script(hosts, (2, 2), "multihost_collectives.py",
+                                  hosts.interface))
+    assert sorted(re.findall(r"collectives right on rank (\d)", stdout)) == list("0123")
+
+
+def final_accuracy(stdout):
+    """The accuracy an example's rank 0 prints last: "test accuracy: 0.97"."""
+    accuracies = re.findall(r"test accuracy: (\d\.\d\d)$", stdout, flags=re.M)
+    assert len(accuracies) == 1, stdout[-2000:]
+    return float(accuracies[0])
+
+
+@pytest.mark.parametrize("example", ["pytorch_digits.py", "keras_digits.py"])
+def test_an_example_learns_as_well_on_two_hosts_as_on_one(hosts, example):
+    """Every rank starts from rank 0's weights and the shards depend only on
+    the rank count, so the runs are the same up to the order of additions:
+    the accuracy, printed to two places, is the same."""
+    program = [sys.executable, os.path.join(ROOT, "examples", example)]
+    two_hosts = succeeded(run([LAUNCHER, "-np", "4", "-H", hosts.spec(2, 2), *program],
+                              hosts, timeout=180))
+    one_host = succeeded(run([LAUNCHER, "-np", "4", *program], hosts, timeout=180))
+    assert final_accuracy(two_hosts) == final_accuracy(one_host) >= 0.9
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_a_rank_dying_on_one_host_ends_the_job_on_every_host(hosts, how):
+    # rank 3 runs on the second host; a job that outlives it fails at the timeout
+    job = run_script(hosts, (2, 2), "multihost_failure.py", how, timeout=60)
+    assert f"rank 3 dies by {how} at step 20" in job.stdout, job.stderr[-3000:]
+    assert job.returncode != 0
+    assert hosts.wait_until_empty(seconds=10), f"left running: {hosts.processes()}"
+
+
+def launch(hosts, *flags):
+    """mpitrainrun FLAGS python multihost_topology.py: every rank's report."""
+    command = [LAUNCHER, *flags, sys.executable,
+               os.path.join(SCRIPTS, "multihost_topology.py")]
+    return topology_reports(succeeded(run(command, hosts, timeout=60)))
+
+
+def test_launcher_with_hosts_forwards_the_settings_to_every_host(hosts):
+    reports = launch(hosts, "-np", "4", "-H", hosts.spec(2, 2), "--fusion-threshold-mb", "32")
+    assert without(reports, "fusion_threshold") == expected_topology(hosts, (2, 2))
+    assert [report["fusion_threshold"] for report in reports] == [str(32 << 20)] * 4
+
+
+def test_launcher_with_a_hostfile(hosts, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    first, second, third = hosts.addresses
+    hostfile.write_text(f"# three hosts\n{first} slots=1\n{second}:2\n{third}\n")
+    reports = launch(hosts, "-np", "4", "--hostfile", str(hostfile))
+    assert without(reports, "fusion_threshold") == expected_topology(hosts, (1, 2, 1))
+
+
+def test_launcher_keeps_the_job_to_the_network_interface_given(hosts):
+    reports = launch(hosts, "-np", "4", "-H", hosts.spec(2, 2),
+                     "--network-interface", hosts.interface)
+    assert without(reports, "fusion_threshold") == expected_topology(hosts, (2, 2))
+    # Open MPI refuses to start on an interface that is not there: the flag
+    # reaches it.
+    job = run([LAUNCHER, "-np", "4", "-H", hosts.spec(2, 2), "--network-interface",
+               "nosuch0", sys.executable, "-c", "pass"], hosts, timeout=60)
+    assert job.returncode != 0 and "No network interfaces were found" in job.stderr
