@@ -97,10 +97,8 @@ class Hosts:
         return True
 
     def kill_processes(self):
-        for pids in self.processes().values():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        for namespace in self.namespaces:
+            _kill_everything_in(namespace)
 
 
 @contextlib.contextmanager
@@ -203,15 +201,19 @@ def _pids_in(namespace):
         return []
 
 
+def _kill_everything_in(namespace):
+    for pid in _pids_in(namespace):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _remove(tag):
     """Remove every namespace, link and directory made under ``tag``; a
     namespace's processes are killed first, or they would outlive it."""
     pid = _owner(tag)
     namespaces = [name for name in _namespaces() if _owner(name) == pid]
     for namespace in namespaces:
-        for process in _pids_in(namespace):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process, signal.SIGKILL)
+        _kill_everything_in(namespace)
     for link in _links():
         if _owner(link) == pid:
             _ip("link", "delete", link)
