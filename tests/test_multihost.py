@@ -1,7 +1,8 @@
 """mpitrain jobs across hosts: network namespaces on this machine, so that
 Open MPI starts a daemon per host and the ranks talk TCP between hosts
 (tests/hosts.py). Topology, every collective, the examples' accuracy, a rank
-dying on one host, and mpitrainrun's -H, --hostfile and --network-interface."""
+dying on one host, mpitrainrun's -H, --hostfile and --network-interface, and
+host allreduces with and without the hierarchical allreduce."""
 
 import json
 import os
@@ -30,9 +31,11 @@ def hosts():
         yield made
 
 
-def run(command, hosts, timeout):
-    """Run a job; a job still running after ``timeout`` seconds fails the test."""
-    process = subprocess.Popen(command, cwd=ROOT, env=job_environment(hosts.environment()),
+def run(command, hosts, timeout, env=()):
+    """Run a job with ``env`` added to mpirun's environment; a job still
+    running after ``timeout`` seconds fails the test."""
+    process = subprocess.Popen(command, cwd=ROOT,
+                               env=job_environment({**hosts.environment(), **dict(env)}),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
@@ -46,14 +49,16 @@ def run(command, hosts, timeout):
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-def run_script(hosts, layout, script, *args, timeout=60):
-    """Run tests/scripts/<script> with layout[i] ranks on host i through mpirun."""
+def run_script(hosts, layout, script, *args, timeout=60, env=()):
+    """Run tests/scripts/<script> with layout[i] ranks on host i through
+    mpirun, which forwards ``env`` to every rank."""
     # No --oversubscribe: with it, Open MPI 5.0 fills the first host beyond
     # its slots (-H a:3,b:1 puts all 4 ranks on a). The hosts start from a
     # login's environment: pass on what the job needs.
-    command = [MPIRUN, "-np", str(sum(layout)), "-H", hosts.spec(*layout),
-               "-x", "OMP_NUM_THREADS", sys.executable, os.path.join(SCRIPTS, script)]
-    return run(command + list(args), hosts, timeout)
+    forwarded = [flag for name in ["OMP_NUM_THREADS", *dict(env)] for flag in ("-x", name)]
+    command = [MPIRUN, "-np", str(sum(layout)), "-H", hosts.spec(*layout), *forwarded,
+               sys.executable, os.path.join(SCRIPTS, script)]
+    return run(command + list(args), hosts, timeout, env)
 
 
 def succeeded(job):
@@ -160,3 +165,75 @@ def test_launcher_keeps_the_job_to_the_network_interface_given(hosts):
     job = run([LAUNCHER, "-np", "4", "-H", hosts.spec(2, 2), "--network-interface",
                "nosuch0", sys.executable, "-c", "pass"], hosts, timeout=60)
     assert job.returncode != 0 and "No network interfaces were found" in job.stderr
+
+
+# mpitrainrun's prefix of a rank's output lines, "[1,RANK]<stdout>: "
+TAG = r"(?:\[\d+,\d+\]<std\w+>: )?"
+
+
+def routes(stdout):
+    """How each rank of multihost_hierarchical.py says its host allreduces
+    travel, in rank order."""
+    said = dict(re.findall(rf"^{TAG}ROUTE (\d+): (.*)$", stdout, flags=re.M))
+    return [said.get(str(rank)) for rank in range(4)]
+
+
+def allreduces_right(stdout):
+    assert sorted(re.findall(r"allreduces right on rank (\d)", stdout)) == list("0123"), \
+        stdout[-3000:]
+
+
+HIERARCHICAL = "MPITRAIN_HIERARCHICAL_ALLREDUCE"
+# (what mpirun forwards, the route every rank must report: a pattern)
+ROUTES = {
+    "flat": ({}, re.escape("MPI's allreduce across nodes")),
+    "hierarchical, shared memory inside": (
+        {HIERARCHICAL: "1", "MPITRAIN_INTRA_NODE": "auto"},
+        r"hierarchical: shared memory in /dev/shm .* inside each of 2 nodes, "
+        r"MPI across them"),
+    # Horovod's name for the setting works too
+    "hierarchical, MPI inside": (
+        {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "MPITRAIN_INTRA_NODE": "mpi"},
+        re.escape("hierarchical: MPI inside the node inside each of 2 nodes, "
+                  "MPI across them")),
+}
+
+
+def all_match(pattern, said):
+    return all(text is not None and re.fullmatch(pattern, text) for text in said)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_host_allreduces_match_numpy_with_and_without_hierarchical(hosts, route):
+    env, route_pattern = ROUTES[route]
+    stdout = succeeded(run_script(hosts, (2, 2), "multihost_hierarchical.py",
+                                  env=env, timeout=120))
+    said = routes(stdout)
+    assert all_match(route_pattern, said), said
+    allreduces_right(stdout)
+
+
+def test_launcher_flag_turns_hierarchical_allreduce_on_on_every_host(hosts):
+    command = [LAUNCHER, "-np", "4", "-H", hosts.spec(2, 2), "--hierarchical-allreduce",
+               sys.executable, os.path.join(SCRIPTS, "multihost_hierarchical.py")]
+    # Off in the launcher's own environment: only the flag can turn it on.
+    stdout = succeeded(run(command, hosts, timeout=120, env={HIERARCHICAL: "0"}))
+    said = routes(stdout)
+    assert all_match(ROUTES["hierarchical, shared memory inside"][1], said), said
+    allreduces_right(stdout)
+
+
+def test_hierarchical_allreduce_on_uneven_hosts_warns_and_uses_mpi(hosts):
+    # Through the launcher, whose output tags show the rank of each line, and
+    # with every rank logging warnings, so a warning from any rank but 0 shows.
+    command = [LAUNCHER, "-np", "4", "-H", hosts.spec(3, 1), "--hierarchical-allreduce",
+               "--log-level", "warning", sys.executable,
+               os.path.join(SCRIPTS, "multihost_hierarchical.py")]
+    job = run(command, hosts, timeout=120)
+    allreduces_right(succeeded(job))
+    why = ("hierarchical allreduce needs the same number of ranks on every node, "
+           "and these nodes have [1, 3]")
+    assert routes(job.stdout) == [f"MPI's allreduce ({why})"] * 4
+    warned = re.findall(rf"^\[\d+,(\d+)\]<stderr>: .*{re.escape(why)}", job.stderr,
+                        flags=re.M)
+    assert warned == ["0"], job.stderr[-3000:]
