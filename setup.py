@@ -37,7 +37,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "mpi4py>=4.0", "ml_dtypes>=0.3"],
     extras_require=extras,
-    entry_points={"console_scripts": ["mpitrainrun = mpitrain.run:main"]},
+    entry_points={"console_scripts": ["mpitrainrun = mpitrain.launcher.run:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

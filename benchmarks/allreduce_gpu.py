@@ -21,8 +21,8 @@ import sys
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain import arrays
-from mpitrain.gpu import selection
+from mpitrain.backends import arrays
+from mpitrain.transport import selection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import KiB, MiB, alternate, bus_bandwidth, mpitrain_in_place  # noqa: E402
@@ -62,7 +62,7 @@ def main():
         raise SystemExit(f"no CUDA device: {arrays.why_no_cupy()}")
     cupy.cuda.Device(mt.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
     world = MPI.COMM_WORLD.Dup()
-    engine = mt.basics.engine()
+    engine = mt.api.basics.engine()
     communicator, nccl = start_nccl(cupy, world)
 
     def raw_mpi(buffer):

@@ -36,7 +36,7 @@ import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpitrain as mt  # noqa: E402
-from mpitrain.config import Config  # noqa: E402
+from mpitrain.runtime.config import Config  # noqa: E402
 import mpitrain.tensorflow.keras as hvd  # noqa: E402
 from mpitrain.tensorflow.gradient_reduction import GradientReducer  # noqa: E402
 from mpitrain.tensorflow.packed import PackedReducer  # noqa: E402

@@ -28,6 +28,7 @@ import numpy as np
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 from mpi4py import MPI  # noqa: E402  (after the setting above)
 
+from mpitrain.ops import ReduceOp  # noqa: E402
 from mpitrain.transport.shm import DEFAULT_CHUNK_BYTES, SharedMemoryAllreduce  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -60,13 +61,13 @@ def raw(comm, buffer):
 
 
 def shared_in_place(reducer, buffer):
-    return lambda: _run(reducer.allreduce(buffer, "sum"))
+    return lambda: _run(reducer.allreduce(buffer, ReduceOp.SUM))
 
 
 def shared_with_fill(reducer, source, result):
     def fill(start, stop, destination):
         np.copyto(destination, source[start:stop])
-    return lambda: _run(reducer.allreduce(result, "sum", fill=fill))
+    return lambda: _run(reducer.allreduce(result, ReduceOp.SUM, fill=fill))
 
 
 def _run(collective):
@@ -77,7 +78,7 @@ def _run(collective):
 def check(comm, reducer, count):
     """The allreduce of ones gives comm.size everywhere, both ways."""
     buffer = np.ones(count, np.float32)
-    _run(reducer.allreduce(buffer, "sum"))
+    _run(reducer.allreduce(buffer, ReduceOp.SUM))
     result = np.empty_like(buffer)
     shared_with_fill(reducer, np.ones_like(buffer), result)()
     if not (buffer == comm.size).all() or not (result == comm.size).all():

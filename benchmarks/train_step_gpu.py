@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mpitrain as mt
 import mpitrain.torch as hvd
-from mpitrain.gpu import selection
+from mpitrain.transport import selection
 
 
 class Bottleneck(nn.Module):
@@ -171,7 +171,7 @@ def main():
         op=MPI.MAX)
     if world.rank == 0:
         count = sum(p.numel() for p in base.parameters())
-        engine = mt.basics.engine()
+        engine = mt.api.basics.engine()
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(f"train step, {args.model} ({count / 1e6:.1f}M parameters), batch "
               f"{args.batch} per rank at {args.image_size}x{args.image_size}, bf16 "

@@ -38,6 +38,20 @@ def test_sum_min_max_product_average_every_dtype():
 
 
 @mpi_test()
+def test_8_bit_integer_sums_wrap_around_as_numpys_at_every_length():
+    # Open MPI 5's vectorized sum saturates them from 64 elements on.
+    for dtype in (np.uint8, np.int8):
+        for count in (8, 64, 1000):
+            x = np.full(count, 100 + mt.rank(), dtype)
+            want = np.full(count, 0, dtype)
+            for k in range(mt.size()):
+                want += np.full(count, 100 + k, dtype)
+            np.testing.assert_array_equal(
+                mt.allreduce(x, op=mt.Sum, name=f"wrap.{np.dtype(dtype).name}.{count}"),
+                want)
+
+
+@mpi_test()
 def test_average_is_the_default_op_and_average_flag_still_works():
     r, n = mt.rank(), mt.size()
     x = np.full(5, float(r), dtype=np.float32)
@@ -140,7 +154,7 @@ def test_poll_turns_true_and_synchronize_returns_the_result():
 def test_many_steps_reuse_names_through_the_cache():
     """The same names every step: after the first step no coordinator exchange."""
     r, n = mt.rank(), mt.size()
-    controller = mt.basics.engine().controllers[0]
+    controller = mt.api.basics.engine().controllers[0]
     shapes = [(7,), (3, 5), (1000,), (2, 2, 2)]
     for step in range(30):
         if step == 1:
@@ -262,7 +276,7 @@ def test_more_names_per_step_than_the_cache_holds_grow_it_once_with_a_warning():
     used name would drop the next one needed, every step. The cache grows
     instead; names that never come back do not make it grow."""
     r, n = mt.rank(), mt.size()
-    controller = mt.basics.engine().controllers[0]
+    controller = mt.api.basics.engine().controllers[0]
     records = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -16,7 +16,7 @@ LOG = os.path.join(tempfile.gettempdir(), "mpitrain-autotune-test.csv")
                "MPITRAIN_CYCLE_TIME": "0.5"}, timeout=120)
 def test_autotune_tries_candidates_and_every_rank_ends_with_the_same_values():
     r, n = mt.rank(), mt.size()
-    controller = mt.basics.engine().controllers[0]
+    controller = mt.api.basics.engine().controllers[0]
     arrays = [np.full(size, float(r), np.float32)
               for size in (100, 5000, 70_000, 300_000) * 3]
     for step in range(400):

@@ -36,9 +36,9 @@ def test_topology_of_a_single_machine():
 
 @mpi_test()
 def test_init_twice_is_harmless():
-    engine = mt.basics.engine()
+    engine = mt.api.basics.engine()
     mt.init()
-    assert mt.basics.engine() is engine
+    assert mt.api.basics.engine() is engine
     assert mt.allreduce([1.0], op=mt.Sum)[0] == mt.size()
 
 

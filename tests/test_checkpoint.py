@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mpitrain.torch as hvd
-from mpitrain.checkpoint import read_payload, write_atomically, write_payload
+from mpitrain.api.checkpoint import read_payload, write_atomically, write_payload
 from tests.damage import flip_byte_in_the_middle
 from tests.mpi_harness import ROOT, mpi_test, run_mpi
 
@@ -80,7 +80,7 @@ def test_a_job_killed_mid_training_resumes_to_the_same_parameters():
 
 CRASH_WHILE_WRITING = """
 import os, signal, sys
-from mpitrain.checkpoint import write_atomically
+from mpitrain.api.checkpoint import write_atomically
 
 def write(stream):
     stream.write(b"half of the new checkpoint")

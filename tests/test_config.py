@@ -3,7 +3,7 @@
 import pytest
 
 import mpitrain as mt
-from mpitrain import config
+from mpitrain.runtime import config
 
 
 def test_defaults_without_variables():

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from mpitrain import config, run
+from mpitrain.launcher import run
+from mpitrain.runtime import config
 from tests.mpi_harness import ROOT
 
 # The public API of Horovod 0.28.1 (its modules' imports and definitions,

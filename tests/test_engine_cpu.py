@@ -15,7 +15,7 @@ def process_cpu_seconds():
 
 
 def engine_cpu_seconds():
-    thread = mt.basics.engine()._thread
+    thread = mt.api.basics.engine()._thread
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mpitrain import config
+from mpitrain.runtime import config
 from tests.mpi_harness import run_mpi
 
 DEADLINE = 30.0                    # seconds from the failure to the job's end
@@ -162,11 +162,15 @@ def test_a_rank_that_exits_before_init_ends_the_job_instead_of_hanging_it():
     assert time.monotonic() - started < DEADLINE
 
 
-def test_a_rank_frozen_inside_a_large_transfer_ends_the_job_after_the_shutdown_time():
+@pytest.mark.parametrize("intra_node, call", [
+    ("mpi", "MPI_Allreduce"), ("shm", r"MPI_Barrier \(shared memory\)")])
+def test_a_rank_frozen_inside_a_large_transfer_ends_the_job_after_the_shutdown_time(
+        intra_node, call):
     job, elapsed = run_failing_job(3, "freeze-in-transfer", "allreduce",
-                                   dict(FAST_STALL, MPITRAIN_CHUNK_SIZE="65536"))
+                                   dict(FAST_STALL, MPITRAIN_CHUNK_SIZE="65536",
+                                        MPITRAIN_INTRA_NODE=intra_node))
     assert job.returncode != 0
-    assert re.search(r"rank [01] waited \d+ s inside MPI_Allreduce of the allreduce of "
+    assert re.search(rf"rank [01] waited \d+ s inside {call} of the allreduce of "
                      r"'big', which moved no data meanwhile: rank 2 did not answer within",
                      job.stderr), job.stderr[-3000:]
     assert 3 <= elapsed < DEADLINE

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mpitrain as mt
-from mpitrain import arrays
+from mpitrain.backends import arrays
 from tests.mpi_harness import mpi_test
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -93,7 +93,7 @@ def test_fused_alone_and_16_bit_allreduce_staged_through_host_memory():
 
 @mpi_test(np=(1, 2), env=NCCL, skip=runnable)
 def test_fused_alone_and_16_bit_allreduce_over_nccl():
-    assert mt.basics.engine().device_plan.nccl
+    assert mt.api.basics.engine().device_plan.nccl
     fused_alone_and_16_bit()
 
 
@@ -113,7 +113,7 @@ def test_nccl_on_a_shared_gpu_fails_init_on_every_rank_and_says_what_instead():
     "the environment chooses the transport" if "MPITRAIN_GPU_OPERATIONS" in env else
     "every rank has a GPU of its own here" if GPUS >= nprocs else None))
 def test_by_default_ranks_sharing_a_gpu_use_mpi_and_say_why():
-    plan = mt.basics.engine().device_plan
+    plan = mt.api.basics.engine().device_plan
     assert not plan.nccl and "share the 1 GPU of host" in plan.reason
 
 

@@ -5,7 +5,8 @@ import os
 import pytest
 
 import mpitrain as mt
-from mpitrain import arrays, config
+from mpitrain.backends import arrays
+from mpitrain.runtime import config
 from tests.mpi_harness import mpi_test
 
 
@@ -37,27 +38,27 @@ def test_importing_mpitrain_never_needs_cupy():
 
 @mpi_test(np=(2,), env={"MPITRAIN_CUDA_AWARE": "auto"})
 def test_auto_asks_the_mpi_library_whether_it_is_cuda_aware():
-    from mpitrain import topology
-    from mpitrain.gpu import cuda_aware
+    from mpitrain.runtime import topology
+    from mpitrain.transport import cuda_aware
     answer = cuda_aware.query(topology.loaded_mpi_library())
-    assert mt.basics.engine().cuda_aware == bool(answer)
+    assert mt.api.basics.engine().cuda_aware == bool(answer)
 
 
 @mpi_test(np=(2,), env={"MPITRAIN_CUDA_AWARE": "1"})
 def test_the_user_can_insist_that_mpi_is_cuda_aware():
-    assert mt.basics.engine().cuda_aware is True
+    assert mt.api.basics.engine().cuda_aware is True
 
 
 # -- which transport carries device buffers -------------------------------------
 
 def facts(node=0, gpus=("0000:3b:00.0",), nccl=22703, setting="auto", host="a",
           why_no_gpu="", why_no_nccl=""):
-    from mpitrain.gpu.selection import DeviceFacts
+    from mpitrain.transport.selection import DeviceFacts
     return DeviceFacts(host, node, gpus, why_no_gpu, nccl, why_no_nccl, False, setting)
 
 
 def test_auto_takes_nccl_only_where_every_rank_has_a_gpu_of_its_own():
-    from mpitrain.gpu.selection import choose
+    from mpitrain.transport.selection import choose
     own = [facts(gpus=("0000:3b:00.0",)), facts(gpus=("0000:5e:00.0",))]
     assert choose(own).nccl
     all_visible = [facts(gpus=("0000:3b:00.0", "0000:5e:00.0"))] * 2
@@ -74,7 +75,7 @@ def test_auto_takes_nccl_only_where_every_rank_has_a_gpu_of_its_own():
 
 
 def test_nccl_that_cannot_work_is_an_error_that_says_why_and_what_instead():
-    from mpitrain.gpu.selection import choose
+    from mpitrain.transport.selection import choose
     with pytest.raises(ValueError) as raised:
         choose([facts(setting="nccl")] * 3)
     assert str(raised.value).startswith(
@@ -84,7 +85,7 @@ def test_nccl_that_cannot_work_is_an_error_that_says_why_and_what_instead():
 
 
 def test_check_build_tells_which_transport_jobs_on_this_host_would_use():
-    from mpitrain.gpu.selection import describe_this_host
+    from mpitrain.transport.selection import describe_this_host
     two = describe_this_host(facts(gpus=("0000:3b:00.0", "0000:5e:00.0")))
     assert two[1] == ("  up to 2 ranks on this host: NCCL (every rank has a GPU of its "
                       "own and NCCL 22703 loads)")
@@ -123,6 +124,6 @@ def test_gpu_operations_set_on_one_rank_only_fails_init_on_every_rank():
 
 @mpi_test(np=(2,), skip=no_gpu_here)
 def test_by_default_a_job_without_gpus_needs_no_device_transport():
-    plan = mt.basics.engine().device_plan
+    plan = mt.api.basics.engine().device_plan
     assert not plan.nccl and plan.setting == "auto"
     assert plan.reason.startswith("ranks 0, 1 have no CUDA device (")

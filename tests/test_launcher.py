@@ -13,7 +13,7 @@ import time
 import pytest
 
 import mpitrain
-from mpitrain import run
+from mpitrain.launcher import run
 from tests.mpi_harness import ROOT, job_environment, kill_session
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
@@ -249,6 +249,17 @@ def test_check_build_tells_what_is_installed():
         assert f"[x] TensorFlow {tensorflow.stdout.strip()}" in job.stdout
 
 
+def test_check_build_says_how_cpu_allreduces_travel_with_the_settings_given():
+    default = launch(["--check-build", "-np", "3"])
+    assert default.returncode == 0, default.stderr
+    assert "[x] shared memory inside a node: /dev/shm" in default.stdout, default.stdout
+    assert "3 ranks use" in default.stdout and "from 4 MiB up" in default.stdout
+    assert "hierarchical allreduce across nodes: off" in default.stdout
+    chosen = launch(["--check-build", "--intra-node", "mpi", "--hierarchical-allreduce"])
+    assert "[ ] shared memory inside a node: off (MPITRAIN_INTRA_NODE=mpi)" in chosen.stdout
+    assert "hierarchical allreduce across nodes: on" in chosen.stdout, chosen.stdout
+
+
 def test_dry_run_prints_the_mpirun_command_with_the_settings(capsys):
     line = dry_run(["-np", "2", "--fusion-threshold-mb", "32", "--autotune",
                     "--no-stall-check", "python", "train.py", "--epochs", "3"], capsys)
@@ -305,7 +316,7 @@ def test_a_bad_variable_in_the_environment_is_refused_before_the_job(capsys):
 def test_without_mpirun_it_says_what_to_install():
     # A Python with no mpirun beside it and none on PATH.
     code = ("import sys; sys.executable = '/nonexistent/bin/python'; "
-            "from mpitrain.run import main; sys.exit(main(['-np', '2', '/bin/true']))")
+            "from mpitrain.launcher.run import main; sys.exit(main(['-np', '2', '/bin/true']))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
                             env=job_environment({"PATH": "/nonexistent"}),
                             capture_output=True, text=True, timeout=60)

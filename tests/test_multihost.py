@@ -194,7 +194,7 @@ ROUTES = {
     # Horovod's name for the setting works too
     "hierarchical, MPI inside": (
         {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "MPITRAIN_INTRA_NODE": "mpi"},
-        re.escape("hierarchical: MPI inside the node inside each of 2 nodes, "
+        re.escape("hierarchical: MPI inside each of 2 nodes, "
                   "MPI across them")),
 }
 

@@ -2,11 +2,12 @@
 
 import numpy as np
 
-from mpitrain import control, dtypes
-from mpitrain.cache import HIT, INVALID, MISS, ResponseCache
-from mpitrain.coordinator import Coordinator
-from mpitrain.entries import signature
-from mpitrain.messages import Request
+from mpitrain.backends import dtypes
+from mpitrain.engine import control
+from mpitrain.engine.cache import HIT, INVALID, MISS, ResponseCache
+from mpitrain.engine.coordinator import Coordinator
+from mpitrain.engine.entries import signature
+from mpitrain.engine.messages import Request
 from mpitrain.ops import OpType, Sum
 
 FLOAT32 = dtypes.lookup(np.dtype(np.float32)).code

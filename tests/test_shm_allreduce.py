@@ -10,11 +10,13 @@ import tempfile
 import numpy as np
 import pytest
 
+from mpitrain.ops import ReduceOp
 from mpitrain.transport.shm import NAME_PREFIX, SharedMemoryAllreduce
 from tests.mpi_harness import mpi_test, run_mpi
 
 DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint8)
-OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
+OPS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+       ReduceOp.PRODUCT: np.multiply}
 CHUNK_BYTES = 256           # a few dozen elements: most buffers below span chunks
 
 
@@ -85,7 +87,7 @@ def test_min_and_max_propagate_a_nan_whichever_rank_holds_it():
     reducer = SharedMemoryAllreduce(comm, CHUNK_BYTES)
     for dtype in (np.float32, np.float64):
         for holder in range(comm.size):
-            for op in ("min", "max"):
+            for op in (ReduceOp.MIN, ReduceOp.MAX):
                 buffer = np.arange(100, dtype=dtype) * (comm.rank + 1)
                 if comm.rank == holder:
                     buffer[[0, 17, 99]] = np.nan
@@ -101,7 +103,7 @@ def test_fill_writes_the_input_and_after_sees_each_result_once():
     reducer = SharedMemoryAllreduce(comm, CHUNK_BYTES)
     size = 1000
     inputs = [rank_input(rank, size, np.float32) for rank in range(comm.size)]
-    want = expected("sum", [3 * x for x in inputs])
+    want = expected(ReduceOp.SUM, [3 * x for x in inputs])
     buffer = np.full(size, np.nan, np.float32)      # holds no input with fill
     seen = np.zeros(size, int)
 
@@ -113,7 +115,7 @@ def test_fill_writes_the_input_and_after_sees_each_result_once():
         np.testing.assert_array_equal(buffer[start:stop], want[start:stop])
         seen[start:stop] += 1
 
-    drive(reducer.allreduce(buffer, "sum", fill=fill, after=after))
+    drive(reducer.allreduce(buffer, ReduceOp.SUM, fill=fill, after=after))
     np.testing.assert_array_equal(buffer, want)
     np.testing.assert_array_equal(seen, 1)
     reducer.close()
@@ -137,8 +139,8 @@ def test_across_changes_each_reduced_slice_for_every_rank():
             reduced += 1
 
         buffer = inputs[comm.rank].copy()
-        yielded = drive(reducer.allreduce(buffer, "sum", across=across))
-        np.testing.assert_array_equal(buffer, 2 * expected("sum", inputs) + 1)
+        yielded = drive(reducer.allreduce(buffer, ReduceOp.SUM, across=across))
+        np.testing.assert_array_equal(buffer, 2 * expected(ReduceOp.SUM, inputs) + 1)
         chunks = -(-size // (CHUNK_BYTES // 8))
         assert len(elements) == chunks
         assert yielded == (barriers(comm, blocking) + (not blocking)) * chunks
@@ -152,7 +154,7 @@ def test_every_rank_holds_bitwise_the_same_result():
     reducer = SharedMemoryAllreduce(comm, 4096)
     # Random floats: a sum in another order would differ in the last bits.
     buffer = np.random.default_rng(comm.rank).standard_normal(10_000).astype(np.float32)
-    drive(reducer.allreduce(buffer, "sum"))
+    drive(reducer.allreduce(buffer, ReduceOp.SUM))
     results = comm.allgather(buffer.tobytes())
     assert all(result == results[0] for result in results)
     reducer.close()
@@ -173,6 +175,7 @@ TOO_LARGE_THEN_SMALL = """
 import sys
 import numpy as np
 from mpi4py import MPI
+from mpitrain.ops import ReduceOp
 from mpitrain.transport.shm import SharedMemoryAllreduce, SharedMemoryUnavailable
 
 comm, directory = MPI.COMM_WORLD, sys.argv[1]
@@ -182,7 +185,7 @@ except SharedMemoryUnavailable as error:
     print(f"rank {comm.rank} raised: {error}", flush=True)
 small = SharedMemoryAllreduce(comm, 64 << 10, directory=directory)
 buffer = np.ones(100_000, np.float32)
-list(small.allreduce(buffer, "sum"))
+list(small.allreduce(buffer, ReduceOp.SUM))
 print(f"rank {comm.rank} reduced: {(buffer == comm.size).all()}", flush=True)
 small.close()
 """
@@ -212,6 +215,7 @@ KILLED_MID_ALLREDUCE = """
 import os, signal, sys
 import numpy as np
 from mpi4py import MPI
+from mpitrain.ops import ReduceOp
 from mpitrain.transport.shm import SharedMemoryAllreduce
 
 directory, victim = sys.argv[1], int(sys.argv[2])
@@ -224,7 +228,7 @@ def after(start, stop):
         os.kill(os.getpid(), signal.SIGKILL)
 
 for _ in range(1000):
-    list(reducer.allreduce(np.ones(10_000, np.float32), "sum", after=after))
+    list(reducer.allreduce(np.ones(10_000, np.float32), ReduceOp.SUM, after=after))
 """
 
 

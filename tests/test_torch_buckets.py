@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import mpitrain.torch as hvd
-from mpitrain import fusion
+from mpitrain.engine import fusion
 from mpitrain.torch import buckets
 from tests.mpi_harness import mpi_test
 from tests.test_torch_optimizer import (ROWS, adam, assert_close,

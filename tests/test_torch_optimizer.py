@@ -358,7 +358,7 @@ def test_a_rank_alone_in_its_set_steps_like_the_plain_optimizer_and_sends_nothin
     alone = (hvd.global_process_set if hvd.size() == 1
              else hvd.add_process_set([hvd.size() - 1]))
     try:
-        controller = mt.basics.engine().controllers[0]
+        controller = mt.api.basics.engine().controllers[0]
         negotiations = controller.negotiations
         if alone.included():
             model, plain = make_model(), make_model()

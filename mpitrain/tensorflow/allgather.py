@@ -2,8 +2,8 @@
 
 import tensorflow as tf
 
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import OpType, Sum
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow.primitives import dense, gather, reduce_dense
 
 

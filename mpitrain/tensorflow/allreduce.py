@@ -2,8 +2,8 @@
 
 import tensorflow as tf
 
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, OpType, resolve_op
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import primitives
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.primitives import reduce_dense

@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import mpitrain as mt
-from mpitrain.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
 
 

@@ -4,11 +4,11 @@ import numpy as np
 import tensorflow as tf
 
 import mpitrain as mt
-from mpitrain import dtypes
+from mpitrain.api.process_sets import global_process_set
+from mpitrain.backends import dtypes
+from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveTypeError
-from mpitrain.handles import synchronize_all
 from mpitrain.ops import OpType, Sum
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.primitives import dense, reduce_dense
 

@@ -3,8 +3,8 @@
 import numpy as np
 import tensorflow as tf
 
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, ReduceOp
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.packed import PACKABLE, PackedReducer

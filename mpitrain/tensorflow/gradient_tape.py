@@ -2,8 +2,8 @@
 
 import tensorflow as tf
 
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Average
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.gradient_reduction import GradientReducer, local_weights
 

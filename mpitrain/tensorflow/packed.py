@@ -17,10 +17,10 @@ import zlib
 import numpy as np
 
 import mpitrain as mt
-from mpitrain.arrays import ALIGNMENT
+from mpitrain.backends.arrays import ALIGNMENT
+from mpitrain.engine.recycled import RecycledBuffers
 from mpitrain.errors import MismatchError
 from mpitrain.ops import Average, Sum
-from mpitrain.recycled import RecycledBuffers
 
 PACKABLE = (np.dtype(np.float32), np.dtype(np.float64))
 _KEPT_PER_SIZE = 4          # buffers still held by TensorFlow when the next step starts

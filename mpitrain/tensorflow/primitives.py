@@ -7,7 +7,7 @@ DistributedGradientTape and the Keras optimizer call these directly.
 import tensorflow as tf
 
 import mpitrain as mt
-from mpitrain import array_ops
+from mpitrain.api import array_ops
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.errors import as_tf_error
 

@@ -3,8 +3,8 @@
 import tensorflow as tf
 
 import mpitrain as mt
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Average, resolve_op
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.primitives import gather

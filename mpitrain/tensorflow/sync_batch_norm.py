@@ -9,8 +9,8 @@ between ranks and the backward pass is exact.
 import keras
 import tensorflow as tf
 
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Sum
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow.allreduce import allreduce
 
 

@@ -4,8 +4,8 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from mpitrain import arrays
-from mpitrain.arrays import ALIGNMENT
+from mpitrain.backends import arrays
+from mpitrain.backends.arrays import ALIGNMENT
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 

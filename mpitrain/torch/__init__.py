@@ -1,24 +1,25 @@
 """Horovod's PyTorch API on mpitrain: ``import mpitrain.torch as hvd``."""
 
-from mpitrain.array_ops import barrier
-from mpitrain.basics import (
-    add_process_set, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-    gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
-    local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
-from mpitrain.checkpoint import CheckpointError
+from mpitrain.api.array_ops import barrier
+from mpitrain.api.basics import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+    gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+    mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+    shutdown, size, start_timeline, stop_timeline)
+from mpitrain.api.checkpoint import CheckpointError
+from mpitrain.api.objects import allgather_object, broadcast_object
+from mpitrain.api.process_sets import ProcessSet, global_process_set
+from mpitrain.api.set_registry import add_process_set, remove_process_set
+from mpitrain.engine.handles import poll, synchronize
 from mpitrain.errors import (
     HorovodInternalError, MismatchError, MpitrainInternalError, ShutdownError)
-from mpitrain.handles import poll, synchronize
-from mpitrain.objects import allgather_object, broadcast_object
 from mpitrain.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from mpitrain.process_sets import ProcessSet, global_process_set
 from mpitrain.torch.autograd import (
     allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
     grouped_reducescatter, reducescatter)
+from mpitrain.torch import elastic
 from mpitrain.torch.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.torch.compression import Compression
-from mpitrain.torch import elastic
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.ops import (
     allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async,

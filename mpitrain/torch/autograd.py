@@ -15,10 +15,11 @@ would sum.
 
 import torch
 
-from mpitrain import array_ops, naming
-from mpitrain.handles import synchronize
+from mpitrain.api import array_ops
+from mpitrain.api.process_sets import global_process_set
+from mpitrain.engine import naming
+from mpitrain.engine.handles import synchronize
 from mpitrain.ops import Average, OpType, resolve_op
-from mpitrain.process_sets import global_process_set
 from mpitrain.torch import ops
 from mpitrain.torch.compression import Compression
 

@@ -11,7 +11,7 @@ as one in-place allreduce, with nothing to pack or unpack.
 
 import torch
 
-from mpitrain import fusion
+from mpitrain.engine import fusion
 
 # The most bytes in one bucket where the engine's fusion threshold is 0.
 DEFAULT_CAP = 64 * 1024 * 1024

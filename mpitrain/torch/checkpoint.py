@@ -5,7 +5,7 @@ import pickle
 
 import torch
 
-from mpitrain import checkpoint
+from mpitrain.api import checkpoint
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 
 

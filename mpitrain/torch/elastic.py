@@ -2,7 +2,7 @@
 
 ``TorchState(model, optimizer, sampler=..., epoch=0, ...)`` commits and
 restores models, optimizers and ElasticSamplers given as arguments along
-with plain values; ``run`` is mpitrain.elastic.run (see there, and
+with plain values; ``run`` is mpitrain.api.elastic.run (see there, and
 docs/fault-tolerance.md for what survives and what does not).
 """
 
@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from mpitrain import basics
-from mpitrain.elastic import State, run
-from mpitrain.objects import allgather_object, broadcast_object
+from mpitrain.api import basics
+from mpitrain.api.elastic import State, run
+from mpitrain.api.objects import allgather_object, broadcast_object
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.optimizer import _DistributedOptimizer
 

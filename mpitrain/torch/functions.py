@@ -2,10 +2,10 @@
 
 import torch
 
+from mpitrain.api.objects import allgather_object, broadcast_object
+from mpitrain.api.process_sets import global_process_set
+from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveValueError
-from mpitrain.handles import synchronize_all
-from mpitrain.objects import allgather_object, broadcast_object
-from mpitrain.process_sets import global_process_set
 from mpitrain.torch.ops import broadcast_async_
 
 

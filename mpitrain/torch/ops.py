@@ -10,10 +10,10 @@ live in ``mpitrain.torch.autograd``.
 import numpy as np
 import torch
 
-from mpitrain import array_ops
-from mpitrain.handles import synchronize
+from mpitrain.api import array_ops
+from mpitrain.api.process_sets import global_process_set
+from mpitrain.engine.handles import synchronize
 from mpitrain.ops import Average, OpType, Sum, resolve_op
-from mpitrain.process_sets import global_process_set
 from mpitrain.torch.tensors import TensorHandle, as_array, as_tensor
 
 

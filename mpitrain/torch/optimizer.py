@@ -15,12 +15,12 @@ import weakref
 
 import torch
 
-from mpitrain import basics
+from mpitrain.api import basics
+from mpitrain.api.objects import broadcast_object
+from mpitrain.api.process_sets import global_process_set
+from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveNotImplementedError
-from mpitrain.handles import synchronize_all
-from mpitrain.objects import broadcast_object
 from mpitrain.ops import Adasum, Average, resolve_op
-from mpitrain.process_sets import global_process_set
 from mpitrain.torch import buckets
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpitrain import array_ops
+from mpitrain.api import array_ops
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import OpType, Sum
-from mpitrain.process_sets import global_process_set
 from mpitrain.torch.autograd import allreduce
 
 

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from mpitrain import arrays
+from mpitrain.backends import arrays
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

@@ -26,6 +26,7 @@ The segment is a file in a tmpfs (/dev/shm), unlinked as soon as every rank
 has mapped it, so it cannot outlive the job, however the job ends.
 """
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -34,14 +35,17 @@ import numpy as np
 
 from mpitrain.ops import ReduceOp
 
-COMBINE = {"sum": np.add, "min": np.minimum, "max": np.maximum,
-           "product": np.multiply,
-           ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
+COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
            ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
 NAME_PREFIX = "mpitrain-shm-"
 SLICE_ALIGNMENT = 64        # bytes: a cache line, also a whole AVX-512 vector
 SLOT_ALIGNMENT = 4096       # bytes: slots start on their own pages
 DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def unguarded(what):
+    """The guard of a call that no watch looks after."""
+    return contextlib.nullcontext()
 
 
 class SharedMemoryUnavailable(RuntimeError):
@@ -92,18 +96,21 @@ class SharedMemoryAllreduce:
                 "(2 slots of chunk_bytes per rank): " + "; ".join(
                     f"rank {rank}: {cause}" for rank, cause in enumerate(causes) if cause))
 
-    def allreduce(self, buffer, op, fill=None, after=None, across=None):
+    def allreduce(self, buffer, op, fill=None, after=None, across=None,
+                  guard=unguarded):
         """Reduce ``buffer`` in place across comm (a generator).
 
-        op: "sum", "min", "max" or "product"; NaNs propagate through min and
-        max whichever rank holds them. fill(start, stop, destination):
+        op: a ReduceOp (Average sums: the caller divides); NaNs propagate
+        through Min and Max whichever rank holds them. fill(start, stop, destination):
         writes this rank's input elements start:stop into destination
         (stop - start elements, in the segment or in buffer); given it,
         buffer only receives the result. after(start, stop): called once
         buffer[start:stop] holds its result. across(slice): a generator
         function, run on this rank's reduced slice of every chunk before
-        the other ranks read it. Every rank must call with the same size,
-        dtype and op.
+        the other ranks read it. guard(what): a context manager around
+        each blocking barrier, so that a watch sees the call move between
+        them (mpitrain.engine.watch). Every rank must call with the same
+        size, dtype and op.
         """
         combine = COMBINE[op]
         _check(buffer)
@@ -133,14 +140,14 @@ class SharedMemoryAllreduce:
             mine = buffer[start + low:start + high]
             if fill is not None and low < high:
                 fill(start + low, start + high, mine)
-            yield from self._barrier()
+            yield from self._barrier(guard)
             reduced = chunk[keeper][low:high]
             for other in others:
                 combine(reduced, chunk[other][low:high], out=reduced)
             combine(reduced, mine, out=reduced)
             if across is not None:
                 yield from across(reduced)
-            yield from self._barrier()
+            yield from self._barrier(guard)
             for owner in copy_order:
                 low, high = bounds[owner]
                 buffer[start + low:start + high] = chunk[(owner + 1) % size][low:high]
@@ -163,9 +170,10 @@ class SharedMemoryAllreduce:
         offset = (2 * rank + parity) * self.slot_bytes
         return np.frombuffer(self._map, dtype, count, offset)
 
-    def _barrier(self):
+    def _barrier(self, guard):
         if self.blocking:
-            self.comm.Barrier()
+            with guard("MPI_Barrier (shared memory)"):
+                self.comm.Barrier()
         else:
             yield self.comm.Ibarrier()
 

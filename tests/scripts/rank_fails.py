@@ -10,7 +10,7 @@ while its engine is inside the MPI call of a large allreduce), engine-fails
 others wait for it inside MPI).
 WHILE: what the other ranks do meanwhile: allreduce (wait for the failed
 rank's tensor), compute (an hour of work that calls no MPI), or elastic
-(wait for its tensor, every rank training inside mpitrain.elastic.run).
+(wait for its tensor, every rank training inside mpitrain.api.elastic.run).
 Every rank writes its pid to RUN_DIR/pid.<rank>; the failing rank writes the
 wall-clock time of its failure to RUN_DIR/failed_at.
 """
@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 import mpitrain as mt
-from mpitrain import elastic
+from mpitrain.api import elastic
 
 BIG = 64 << 20         # floats in the large allreduce of step 5 (256 MiB)
 
@@ -58,7 +58,7 @@ def fail():
 
 
 def freeze_inside_the_transfer():
-    watch = mt.basics.engine().watch
+    watch = mt.api.basics.engine().watch
     while "'big'" not in str(watch._inside):
         time.sleep(0.001)
     with open(os.path.join(run_dir, "failed_at"), "w") as stream:

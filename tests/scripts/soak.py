@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 import mpitrain as mt
-from mpitrain.entries import Handle
+from mpitrain.engine.entries import Handle
 
 BLOCKS = {                       # name: (shape, dtype)
     "bias": ((1,), np.float64),
@@ -51,7 +51,7 @@ def handles_alive():
 def engine_leftovers():
     """Entries the engine still holds in any process set (all should be empty)."""
     held = {}
-    for set_id, controller in mt.basics.engine().controllers.items():
+    for set_id, controller in mt.api.basics.engine().controllers.items():
         for field in ("in_flight", "pending", "incoming", "_done"):
             count = len(getattr(controller, field))
             if count:

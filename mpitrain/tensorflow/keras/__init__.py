@@ -12,7 +12,7 @@ from mpitrain.tensorflow import (
     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
     reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline,
     stop_timeline)
-from mpitrain.checkpoint import CheckpointError
+from mpitrain.api.checkpoint import CheckpointError
 from mpitrain.tensorflow.keras import callbacks, elastic
 from mpitrain.tensorflow.keras.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from mpitrain import checkpoint
+from mpitrain.api import checkpoint
 from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import optimizer_variables
 

@@ -3,7 +3,7 @@
 ``KerasState(model, epoch=0, batch=0)`` commits and restores the model's and
 its optimizer's variables with plain values; the callbacks keep
 ``state.epoch`` and ``state.batch`` current and commit; ``run`` retries after
-a recoverable error as mpitrain.elastic.run does (see there and
+a recoverable error as mpitrain.api.elastic.run does (see there and
 docs/fault-tolerance.md). Inside a compiled train step a collective's error
 reaches Python as a tf.errors.OpError carrying mpitrain's message, which
 run() reads to tell a reset from a fatal shutdown.
@@ -17,7 +17,7 @@ start of the epoch being trained: commit at epoch ends
 import numpy as np
 import tensorflow as tf
 
-from mpitrain import elastic
+from mpitrain.api import elastic
 from mpitrain.errors import HorovodInternalError
 from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import optimizer_variables

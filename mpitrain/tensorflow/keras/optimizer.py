@@ -12,8 +12,8 @@ import functools
 
 import keras
 
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Average, Sum
-from mpitrain.process_sets import global_process_set
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.gradient_reduction import GradientReducer, local_weights
 from mpitrain.tensorflow.keras.local_aggregation import LocalAggregation

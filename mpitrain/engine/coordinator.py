@@ -1,0 +1,158 @@
+"""The coordinator: rank 0 of a process set matches requests by name.
+
+It counts which ranks submitted each name, validates the requests once all
+ranks have (or have joined), and turns them into responses that every rank
+executes in the same order. A mismatch becomes an error response, so the
+operation fails on every rank instead of hanging.
+"""
+
+from mpitrain.backends import dtypes
+from mpitrain.engine.messages import Response
+from mpitrain.ops import OpType, ReduceOp
+
+_JOIN_ALLOWED = frozenset({OpType.ALLREDUCE})
+
+
+class Coordinator:
+    def __init__(self, size):
+        self.size = size
+        self.table = {}            # name -> {rank: Request}, in arrival order
+        self.first_seen = {}       # name -> monotonic time of the first request
+        self.joined = set()
+        self.last_joined_rank = -1
+
+    def receive(self, requests_by_rank, now):
+        """Take every rank's new requests; return the responses now ready."""
+        ready = []
+        join_changed = False
+        for requests in requests_by_rank:
+            for request in requests:
+                if request.kind == OpType.JOIN:
+                    self.joined.add(request.rank)
+                    self.last_joined_rank = request.rank
+                    join_changed = True
+                    continue
+                ranks = self.table.setdefault(request.name, {})
+                ranks[request.rank] = request
+                seen = now - request.age
+                self.first_seen[request.name] = min(
+                    self.first_seen.get(request.name, seen), seen)
+                if self._complete(ranks) and request.name not in ready:
+                    ready.append(request.name)
+        if join_changed:
+            ready.extend(name for name, ranks in self.table.items()
+                         if name not in ready and self._complete(ranks))
+        responses = []
+        for name in ready:
+            self.first_seen.pop(name)
+            responses.append(build_response(name, self.table.pop(name), self.joined))
+        if len(self.joined) == self.size:
+            responses.append(Response(OpType.JOIN, "join",
+                                      last_joined_rank=self.last_joined_rank))
+            self.joined.clear()
+        return responses
+
+    def _complete(self, ranks):
+        return len(ranks.keys() | self.joined) == self.size
+
+    def waiting(self):
+        """name -> (first seen, ranks that submitted) for every pending name."""
+        return {name: (self.first_seen[name], set(ranks))
+                for name, ranks in self.table.items()}
+
+
+def build_response(name, requests, joined):
+    """Validate one name's requests from every rank and build its response."""
+    ordered = [requests[rank] for rank in sorted(requests)]
+    first = ordered[0]
+    label = f"{first.kind.label} of '{name}'"
+    failed = [r for r in ordered if r.error]
+    if failed:
+        kinds = {r.error_kind for r in failed}
+        if len(failed) == 1:
+            message = f"{label} failed on rank {failed[0].rank}: {failed[0].error}"
+        else:
+            message = (f"{label} failed on ranks "
+                       f"{', '.join(str(r.rank) for r in failed)}: "
+                       + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+        return _error(name, kinds.pop() if len(kinds) == 1 else "value", message)
+    problem = _mismatch(ordered)
+    if problem:
+        what, values = problem
+        return _error(name, "mismatch",
+                      f"{label} failed: mismatched {what} across ranks: {values}")
+    if joined and first.kind not in _JOIN_ALLOWED:
+        return _error(name, "value",
+                      f"{label} failed: {first.kind.label} is not supported while "
+                      f"rank(s) {', '.join(map(str, sorted(joined)))} have joined; "
+                      "only allreduce works with join (use sparse_as_dense=True "
+                      "in DistributedOptimizer)")
+    response = Response(first.kind, name, dtype=first.dtype, shape=first.shape,
+                        op=first.op, prescale=first.prescale,
+                        postscale=first.postscale, root=first.root,
+                        device=0 if first.device >= 0 else -1)
+    if first.kind == OpType.ALLGATHER:
+        response.shape = first.shape[1:]
+        response.first_dims = tuple(r.shape[0] for r in ordered)
+    elif first.kind in (OpType.ADD_PROCESS_SET, OpType.REMOVE_PROCESS_SET):
+        response.extra = first.shape
+    return response
+
+
+def _error(name, kind, message):
+    return Response(OpType.ERROR, name, error=message, error_kind=kind)
+
+
+def _dtype_name(code):
+    return dtypes.BY_CODE[code].name
+
+
+def _op_name(code):
+    return ReduceOp(code).name.capitalize()
+
+
+def _mismatch(ordered):
+    """(what, values by rank) of the first parameter that differs, or None."""
+    kind = ordered[0].kind
+    checks = [("operations", lambda r: r.kind.label)]
+    if any(r.site for r in ordered):
+        # Unnamed calls pair by their order: a different place in the program
+        # means a rank made one call more or fewer before this one.
+        checks.append(("places in the program (unnamed calls pair up in the order "
+                       "each rank makes them: name them, or make the same calls on "
+                       "every rank)", lambda r: r.site))
+    if kind in (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST,
+                OpType.ALLTOALL, OpType.REDUCESCATTER):
+        checks += [("data types", lambda r: _dtype_name(r.dtype)),
+                   ("devices", lambda r: "GPU" if r.device >= 0 else "CPU")]
+    if kind in (OpType.ALLREDUCE, OpType.REDUCESCATTER):
+        checks += [("reduction ops", lambda r: _op_name(r.op)),
+                   ("prescale factors", lambda r: r.prescale),
+                   ("postscale factors", lambda r: r.postscale)]
+    if kind == OpType.BROADCAST:
+        checks.append(("root ranks", lambda r: r.root))
+    if kind in (OpType.ALLGATHER, OpType.ALLTOALL):
+        checks += [("numbers of dimensions", lambda r: len(r.shape)),
+                   ("shapes beyond the first dimension", lambda r: r.shape[1:])]
+    elif kind in (OpType.ADD_PROCESS_SET, OpType.REMOVE_PROCESS_SET):
+        checks.append(("process sets", lambda r: list(r.shape)))
+    else:
+        checks.append(("shapes", lambda r: r.shape))
+    for what, value_of in checks:
+        values = {r.rank: value_of(r) for r in ordered}
+        if len(set(map(repr, values.values()))) > 1:
+            return what, describe_by_rank(values)
+    return None
+
+
+def describe_by_rank(values):
+    """'ranks 0, 2: (2, 3); rank 1: (4,)' from {rank: value}."""
+    groups = {}
+    for rank, value in sorted(values.items()):
+        text = value if isinstance(value, str) else repr(value)
+        groups.setdefault(text, []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        who = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{who} {', '.join(map(str, ranks))}: {text}")
+    return "; ".join(parts)

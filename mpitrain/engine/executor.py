@@ -1,0 +1,374 @@
+"""Executing responses: packing, the MPI call, scaling and unpacking.
+
+Every rank runs the same responses in the same order. ``entries`` maps a
+name to this rank's submission; a joined rank has none for an allreduce and
+contributes zeros. Allreduces run where their arrays live (host or CUDA
+device, through mpitrain.backends.arrays); the other collectives move device arrays
+through host memory and share the host code. A round's device groups are
+prepared, and the ranks agree that they can run, before any data moves.
+"""
+
+import math
+import types
+
+import numpy as np
+
+from mpitrain.backends import arrays, dtypes
+from mpitrain.engine.recycled import RecycledBuffers
+from mpitrain.errors import GpuError
+from mpitrain.ops import OpType, ReduceOp
+from mpitrain.transport.channel import as_bytes, even_split
+from mpitrain.transport.device import STAGED
+
+
+class Executor:
+    def __init__(self, channel, buffers, finish, fail, timeline, devices):
+        self.channel = channel
+        self.buffers = buffers
+        self.results = RecycledBuffers()   # out-of-place results in host memory
+        self.finish = finish          # finish(entry, value)
+        self.fail = fail              # fail(entry, error), this rank only
+        self.timeline = timeline      # holder with .current: Timeline or None
+        self.devices = devices        # how device buffers travel: transport.device.DeviceTransport
+
+    def run(self, group, entries):
+        response = group.responses[0]
+        kind = response.kind
+        self.channel.doing = f"{kind.label} of {listed(group.names)}"
+        if kind == OpType.ALLREDUCE:
+            yield from self._traced(group.names, "ALLREDUCE",
+                                    self._allreduce(group, entries))
+            return
+        entry = entries[response.name]
+        body = {OpType.ALLGATHER: self._allgather,
+                OpType.BROADCAST: self._broadcast,
+                OpType.ALLTOALL: self._alltoall,
+                OpType.REDUCESCATTER: self._reducescatter}[kind]
+        if entry.device < 0:
+            result = yield from self._traced(group.names, kind.name, body(response, entry))
+            self.finish(entry, result)
+        else:
+            yield from self._traced(group.names, kind.name,
+                                    self._through_host(body, response, entry))
+
+    def _traced(self, names, label, body):
+        timeline = self.timeline.current
+        if timeline is not None:
+            timeline.begin(names, label)
+        result = yield from body
+        if timeline is not None:
+            timeline.end(names)
+        return result
+
+    def _scale_after(self, response):
+        """The factor applied after the reduction; Average divides by size."""
+        factor = response.postscale
+        if response.op == ReduceOp.AVERAGE:
+            factor /= self.channel.size
+        return factor
+
+    # -- device groups: set up on every rank, agree, then move data ----------------
+
+    def prepare_devices(self, groups, entries):
+        """Set up what this round's device groups need, and agree on what failed.
+
+        Allocation, kernels, staging buffers and NCCL's communicator are made
+        here, before any rank starts moving data, so that a failure on one
+        rank fails the group on every rank instead of leaving the others in
+        MPI. Returns {id(group): message} for the groups that failed.
+        """
+        if self.devices.needs_setup(self.channel):
+            reducing = [g for g in groups if g.responses[0].kind == OpType.ALLREDUCE]
+            if reducing:
+                members = [entries.get(name) for name in reducing[0].names]
+                yield from self.devices.set_up(
+                    self.channel, self._backend(reducing[0].responses[0], members))
+        problems = {}
+        for index, group in enumerate(groups):
+            try:
+                self._prepare(group, entries)
+            except GpuError as error:          # already says what it is
+                problems[index] = str(error)
+            except Exception as error:
+                problems[index] = f"{type(error).__name__}: {error}"
+        if not (yield from self.channel.agree(bool(problems))):
+            return {}
+        reports = yield from self.channel.allgather_objects(problems)
+        failed = {}
+        for index, group in enumerate(groups):
+            ranks_of = {}
+            for rank, report in enumerate(reports):
+                if index in report:
+                    ranks_of.setdefault(report[index], []).append(rank)
+            if ranks_of:
+                failed[id(group)] = (
+                    f"{group.responses[0].kind.label} of {listed(group.names)} "
+                    "failed: the GPU "
+                    "path could not be set up (" + "; ".join(
+                        f"rank{'s' if len(ranks) > 1 else ''} "
+                        f"{', '.join(map(str, ranks))}: {cause}"
+                        for cause, ranks in ranks_of.items()) + ")")
+        return failed
+
+    def _prepare(self, group, entries):
+        response = group.responses[0]
+        members = [entries.get(name) for name in group.names]
+        if response.kind != OpType.ALLREDUCE:
+            entry = members[0]        # these travel through host memory: take it there now
+            backend = arrays.device(entry.device)
+            backend.wait_for_inputs([entry])
+            entry.input = backend.to_numpy(entry.input)
+            return
+        backend = self._backend(response, members)
+        self.devices.check(backend)
+        backend.wait_for_inputs(members)
+        wire = dtypes.wire(dtypes.BY_CODE[response.dtype], response.op, response.prescale,
+                           response.postscale)
+        backend.kernels(wire)
+        self.buffers.get(wire, group.total, backend)
+        if (self.channel.size > 1
+                and self.devices.route(wire, response.op) == STAGED):
+            backend.pinned(wire, group.total)
+        for response, member in zip(group.responses, members):
+            if member is not None and member.output is None:
+                member.output = backend.empty(response.shape, member.dtype.numpy)
+
+    # -- allreduce, on the host or on a device -----------------------------------
+
+    def _backend(self, response, members):
+        """Where the group's arrays live; a joined rank has none and uses its GPU."""
+        for member in members:
+            if member is not None:
+                return arrays.of(member.input)
+        return arrays.HOST if response.device < 0 else arrays.current_device()
+
+    def _result(self, backend, shape, dtype):
+        """A new array for an out-of-place result (in recycled host memory)."""
+        if backend is arrays.HOST:
+            return self.results.empty(shape, dtype.numpy)
+        return backend.empty(shape, dtype.numpy)
+
+    def _integer_scaling(self, response, wire):
+        """(scale, divisor) for a sum of integers, applied once to the whole sum,
+        or None where the factors multiply floats before and after the sum."""
+        if not dtypes.exact(wire, response.op):
+            return None
+        divisor = self.channel.size if response.op == ReduceOp.AVERAGE else 1
+        return response.prescale * response.postscale, divisor
+
+    def _allreduce(self, group, entries):
+        first = group.responses[0]
+        dtype = dtypes.BY_CODE[first.dtype]
+        wire = dtypes.wire(dtype, first.op, first.prescale, first.postscale)
+        factor = self._scale_after(first)
+        members = [entries.get(name) for name in group.names]
+        if self.channel.size == 1 and _in_place_and_unscaled(first, factor, members):
+            for member in members:           # one rank, nothing to add or scale
+                if member is not None:
+                    self.finish(member, member.output)
+            return
+        entry = members[0]
+        backend = self._backend(first, members)
+        integer = self._integer_scaling(first, wire)
+        if (len(members) == 1 and entry is not None and entry.dtype is dtype
+                and dtype.numpy == wire):
+            yield from self._allreduce_alone(first, entry, factor, integer, backend)
+            return
+        whole = self.buffers.get(wire, group.total, backend)
+        buffer = whole[:group.total]
+        names = group.names
+        sources = [None if member is None else member.input for member in members]
+        prescale = first.prescale if integer is None else 1.0
+        yield from self._traced(names, "MEMCPY_IN_FUSION_BUFFER",
+                                _now(backend.pack, sources, group.counts, buffer,
+                                     prescale))
+        yield from self._traced(names, "MPI_ALLREDUCE",
+                                self._reduce(buffer, first.op, backend))
+        if integer is not None:
+            factor = 1.0
+            if integer != (1.0, 1):
+                backend.scale_integers(buffer, *integer)
+        done, views, outputs, offsets = [], [], [], []
+        for response, member, view, start in zip(group.responses, members,
+                                                 group.views(whole), group.starts):
+            if member is None:
+                continue
+            output = member.output
+            if output is None:
+                output = self._result(backend, response.shape, member.dtype)
+            done.append((member, output))
+            views.append(view)
+            outputs.append(output)
+            offsets.append(start)
+        yield from self._traced(names, "MEMCPY_OUT_FUSION_BUFFER",
+                                _now(backend.unpack, buffer, offsets, views, outputs,
+                                     factor))
+        backend.settle()
+        for member, output in done:
+            self.finish(member, output)
+
+    def _allreduce_alone(self, response, entry, factor, integer, backend):
+        """One tensor: reduce in its output directly, without the fusion buffer."""
+        output = entry.output
+        if output is not None and not output.flags.c_contiguous:
+            output = None
+        if output is None:
+            output = self._result(backend, response.shape, entry.dtype)
+        prescale = response.prescale
+        if integer is not None:
+            prescale, factor = 1.0, 1.0
+        elif output is not entry.input and _scales_early(response, entry.dtype):
+            # Scale in the copy that happens anyway, not in a pass of its own.
+            prescale, factor = prescale * factor, 1.0
+        fill = None
+        if output is not entry.input or prescale != 1.0:
+            if entry.input.flags.c_contiguous:
+                fill = _filler(entry.input, prescale, backend)
+            else:
+                backend.scale_into(entry.input, prescale, output)
+        yield from self._traced([response.name], "MPI_ALLREDUCE",
+                                self._reduce(output.reshape(-1), response.op, backend,
+                                             factor, fill))
+        if integer is not None and integer != (1.0, 1):
+            backend.scale_integers(output.reshape(-1), *integer)
+        if entry.output is not None and output is not entry.output:
+            backend.scale_into(output, 1.0, entry.output)
+            output = entry.output
+        backend.settle()
+        self.finish(entry, output)
+
+    def _reduce(self, buffer, op, backend, factor=1.0, fill=None):
+        """Allreduce a 1-D buffer in place across the set, then multiply it by factor.
+
+        fill(start, stop, destination), if given, writes the input's elements
+        start:stop into destination first (see Channel.allreduce).
+        """
+        scale = None if factor == 1.0 else (
+            lambda start, stop: backend.scale_into(buffer[start:stop], factor,
+                                                   buffer[start:stop]))
+        if self.channel.size > 1 and backend is arrays.HOST:
+            # Fill each chunk right before it travels and scale it right
+            # after, while it is in cache: a pass over cold memory costs more.
+            yield from self.channel.allreduce(buffer, op, fill=fill, after=scale)
+            return
+        if fill is not None:
+            fill(0, buffer.size, buffer)
+        if self.channel.size > 1:
+            yield from self.devices.allreduce(buffer, op, self.channel, backend)
+        if scale is not None:
+            scale(0, buffer.size)
+
+    # -- the other collectives, in host memory -----------------------------------
+
+    def _through_host(self, body, response, entry):
+        """Run a host collective on a device entry, whose input prepare_devices
+        took to host memory, and bring the result back to the device."""
+        backend = arrays.device(entry.device)
+        host = types.SimpleNamespace(input=entry.input, output=None, dtype=entry.dtype,
+                                     splits=entry.splits)
+        result = yield from body(response, host)
+        try:
+            if isinstance(result, tuple):             # alltoall: (rows, received splits)
+                result = (backend.from_numpy(result[0]),) + result[1:]
+            else:
+                result = backend.from_numpy(result, entry.output)
+        except Exception as error:    # the others have their results: fail only here
+            self.fail(entry, GpuError(
+                f"{response.kind.label} of '{response.name}' failed on rank "
+                f"{self.channel.rank}: its result could not be copied back to GPU "
+                f"{entry.device}: {type(error).__name__}: {error}"))
+            return
+        self.finish(entry, result)
+
+    def _allgather(self, response, entry):
+        row = math.prod(response.shape) * entry.dtype.numpy.itemsize
+        output = arrays.empty((sum(response.first_dims),) + response.shape,
+                              entry.dtype.numpy)
+        send = np.ascontiguousarray(entry.input)
+        yield from self.channel.allgatherv(
+            as_bytes(send), as_bytes(output), [d * row for d in response.first_dims])
+        return output
+
+    def _broadcast(self, response, entry):
+        root = response.root == self.channel.rank
+        target = entry.output
+        if target is None:
+            target = arrays.empty(response.shape, entry.dtype.numpy)
+            if root:
+                np.copyto(target, entry.input)
+        elif root and target is not entry.input:
+            np.copyto(target, entry.input)
+        staging = target if target.flags.c_contiguous else np.ascontiguousarray(target)
+        yield from self.channel.bcast(as_bytes(staging), response.root)
+        if staging is not target:
+            np.copyto(target, staging)
+        return target
+
+    def _alltoall(self, response, entry):
+        send_rows = entry.splits
+        receive_rows = np.empty_like(send_rows)
+        yield from self.channel.alltoall(send_rows, receive_rows)
+        trailing = entry.input.shape[1:]
+        row = math.prod(trailing) * entry.dtype.numpy.itemsize
+        output = arrays.empty((int(receive_rows.sum()),) + trailing, entry.dtype.numpy)
+        send = np.ascontiguousarray(entry.input)
+        yield from self.channel.alltoallv(
+            as_bytes(send), (send_rows * row).tolist(),
+            as_bytes(output), (receive_rows * row).tolist())
+        return output, receive_rows
+
+    def _reducescatter(self, response, entry):
+        dtype = entry.dtype
+        wire = dtypes.wire(dtype, response.op, response.prescale, response.postscale)
+        integer = self._integer_scaling(response, wire)
+        rows = even_split(response.shape[0], self.channel.size)
+        row = math.prod(response.shape[1:])
+        counts = [n * row for n in rows]
+        send = self.buffers.get(wire, sum(counts), arrays.HOST)[:sum(counts)]
+        arrays.scale_into(entry.input, response.prescale if integer is None else 1.0,
+                          send.reshape(response.shape))
+        received = np.empty(counts[self.channel.rank], dtype=wire)
+        yield from self.channel.reduce_scatter(send, received, counts, response.op)
+        output = arrays.empty((rows[self.channel.rank],) + response.shape[1:],
+                              dtype.numpy)
+        factor = self._scale_after(response)
+        if integer is not None:
+            arrays.scale_integers(received, *integer)
+            factor = 1.0
+        arrays.scale_into(received.reshape(output.shape), factor, output)
+        return output
+
+
+def listed(names, most=3):
+    """Names for a message: the first few, quoted, and how many more."""
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
+
+
+def _in_place_and_unscaled(response, factor, members):
+    """Would the allreduce of one rank leave every tensor as it is?"""
+    return (response.prescale == 1.0 and factor == 1.0
+            and all(member is None or member.output is member.input for member in members))
+
+
+def _filler(source, factor, backend):
+    """fill(start, stop, destination): the contiguous source's flat elements
+    start:stop, times factor, into destination."""
+    flat = source.reshape(-1)
+    return lambda start, stop, destination: backend.scale_into(
+        flat[start:stop], factor, destination)
+
+
+def _now(function, *args):
+    """A generator that calls function(*args) at once and waits for nothing."""
+    function(*args)
+    return
+    yield
+
+
+def _scales_early(response, dtype):
+    """May the factor applied after a sum move before it? Floats only: integer
+    averages truncate the sum, and Min/Max/Product do not commute with it."""
+    return (response.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+            and dtype.numpy.kind == "f" and dtype.numpy == dtype.reduce_as)
+

@@ -1,0 +1,143 @@
+"""How one process set moves device buffers: NCCL, CUDA-aware MPI, or through host memory.
+
+The job's Plan (mpitrain.transport.selection) says whether to use NCCL. The set's
+communicator is made at its first device allreduce, which every member runs
+in the same round; there the ranks first check that each reduces on a GPU of
+its own, as NCCL requires. Where NCCL cannot start, the setting decides:
+``nccl`` fails the set's device operations on every rank, with the reason;
+``auto`` moves them through MPI instead, and says so once.
+
+Staging through host memory is pipelined: every chunk's copy to pinned host
+memory is queued at once, MPI reduces a chunk as soon as its copy is done,
+and the reduced chunk's copy back is queued while MPI takes the next.
+"""
+
+import logging
+
+import numpy as np
+
+from mpitrain.errors import GpuError
+from mpitrain.ops import ReduceOp
+from mpitrain.transport.channel import numpy_operation
+from mpitrain.transport import nccl
+from mpitrain.transport.nccl import NcclAllreduce
+
+log = logging.getLogger("mpitrain")
+
+NCCL, CUDA_AWARE, STAGED = "NCCL", "CUDA-aware MPI", "MPI staged through host memory"
+
+
+class DeviceTransport:
+    def __init__(self, plan, cuda_aware, node, set_id):
+        self.plan = plan
+        self.cuda_aware = cuda_aware      # this rank's MPI reads device memory
+        self.node = node                  # which host this rank is on (a job rank)
+        self.set_id = set_id
+        self.nccl = None                  # the set's NcclAllreduce, once made
+        self.broken = ""                  # why the set's device operations fail
+        self._untried = plan is not None and plan.nccl
+
+    def needs_setup(self, channel):
+        return self._untried and channel.size > 1
+
+    def set_up(self, channel, backend):
+        """Make the set's NCCL communicator: every member, in the same round."""
+        self._untried = False
+        places = yield from channel.allgather_objects((self.node, backend.bus_id))
+        shared = _shared_gpus(places)
+        if shared:
+            self._without_nccl(
+                channel, shared + ", and NCCL needs a GPU for each rank",
+                "give each rank a GPU of its own (torch.cuda.set_device(hvd.local_rank()), "
+                "or cupy.cuda.Device(hvd.local_rank()).use(), before creating tensors), or ")
+            return
+        identity, problem = None, ""
+        if channel.rank == 0:
+            try:
+                identity = nccl.unique_id()
+            except Exception as error:
+                problem = f"{type(error).__name__}: {error}"
+        identity, problem = yield from channel.bcast_object((identity, problem))
+        if problem:
+            self._without_nccl(channel, f"NCCL could not start on rank 0: {problem}")
+            return
+        try:
+            with backend.active():
+                self.nccl = NcclAllreduce(identity, channel.rank, channel.size,
+                                          backend.device)
+            problem = ""
+        except Exception as error:
+            problem = f"{type(error).__name__}: {error}"
+        problems = yield from channel.allgather_objects(problem)
+        if any(problems):
+            self.nccl = None
+            self._without_nccl(channel, "NCCL could not start (" + "; ".join(
+                f"rank {rank}: {why}" for rank, why in enumerate(problems) if why) + ")")
+
+    def _without_nccl(self, channel, why, remedy=""):
+        if self.plan.setting == "nccl":
+            advice = remedy + "use MPITRAIN_GPU_OPERATIONS=mpi"
+            self.broken = (f"MPITRAIN_GPU_OPERATIONS=nccl cannot work: {why}. "
+                           f"{advice[0].upper()}{advice[1:]}")
+        elif channel.rank == 0:
+            log.warning("mpitrain: %s; device allreduces of process set %d go through "
+                        "%s instead", why, self.set_id,
+                        CUDA_AWARE if self.cuda_aware else STAGED)
+
+    def check(self, backend):
+        """Raise why this set cannot reduce buffers of ``backend`` now."""
+        if self.broken:
+            raise GpuError(self.broken)
+        if self.nccl is not None and self.nccl.device != backend.device:
+            raise GpuError(
+                f"this process set's NCCL communicator is on GPU {self.nccl.device}, "
+                f"but the tensor is on GPU {backend.device}: keep a rank's tensors "
+                "on one GPU")
+
+    def route(self, dtype, op):
+        if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f":
+            return STAGED         # for numpy's NaN rule, which only the host applies
+        if self.nccl is not None and self.nccl.handles(dtype):
+            return NCCL
+        if numpy_operation(op, dtype):
+            return STAGED         # MPI would run numpy's operation on device memory
+        return CUDA_AWARE if self.cuda_aware else STAGED
+
+    def allreduce(self, buffer, op, channel, backend):
+        """Reduce a contiguous 1-D device buffer in place across the set."""
+        route = self.route(buffer.dtype, op)
+        if route == NCCL:
+            with backend.active():
+                self.nccl.allreduce(buffer, op, backend.stream)
+        elif route == CUDA_AWARE:
+            backend.settle()             # MPI reads device memory: it must be ready
+            yield from channel.allreduce(buffer, op)
+        else:
+            yield from _staged(buffer, op, channel, backend)
+
+
+def _staged(buffer, op, channel, backend):
+    host = backend.pinned(buffer.dtype, buffer.size)
+    copies = [(start, stop, backend.download(buffer[start:stop], host[start:stop]))
+              for start, stop in channel.chunks(buffer.size, buffer.itemsize)]
+
+    def fill(start, stop, destination):
+        # The channel's route may travel in other pieces than the copies.
+        for low, high, copy in copies:
+            if low < stop and high > start:
+                copy.synchronize()
+        if not np.shares_memory(destination, host):      # shared memory: copy on
+            np.copyto(destination, host[start:stop])
+
+    yield from channel.allreduce(
+        host, op, fill=fill,
+        after=lambda start, stop: backend.upload(host[start:stop], buffer[start:stop]))
+
+
+def _shared_gpus(places):
+    """Which ranks reduce on one GPU, from every rank's (node, PCI bus id); "" if none."""
+    ranks_of = {}
+    for rank, place in enumerate(places):
+        ranks_of.setdefault(place, []).append(rank)
+    return "; ".join(f"ranks {', '.join(map(str, ranks))} all reduce on GPU {bus_id}"
+                     for (_, bus_id), ranks in ranks_of.items() if len(ranks) > 1)

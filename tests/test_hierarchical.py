@@ -1,0 +1,76 @@
+"""The hierarchical allreduce on "nodes" carved out of one machine's ranks.
+
+The multi-host tests (test_multihost.py) run it across real network
+namespaces; here the ranks are split into nodes of two by hand, so the
+algorithm's slicing is checked on 4 and 6 ranks quickly, over both insides.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.ops import ReduceOp
+from mpitrain.transport.hierarchical import HierarchicalAllreduce, MpiInsideNode
+from mpitrain.transport.shm import SharedMemoryAllreduce
+from tests.mpi_harness import mpi_test
+
+CHUNK = 4096            # bytes: small, so that buffers take many chunks
+
+
+def carved_nodes():
+    """(inside, cross) communicators of nodes of two consecutive ranks."""
+    world = MPI.COMM_WORLD
+    inside = world.Split(color=world.rank // 2, key=world.rank)
+    cross = world.Split(color=world.rank % 2, key=world.rank)
+    return inside, cross
+
+
+def check_against_numpy(reducer):
+    rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    for dtype in (np.int64, np.float64, np.float32, np.uint8):
+        for count in (0, 1, 5, 1000, 3 * CHUNK + 7):
+            inputs = [((np.arange(count) * (k + 3)) % 13 - 6).astype(np.int64)
+                      for k in range(size)]
+            for op, combine in ((ReduceOp.SUM, np.sum), (ReduceOp.MAX, np.max),
+                                (ReduceOp.MIN, np.min)):
+                buffer = inputs[rank].astype(dtype)
+                list(reducer.allreduce(buffer, op))
+                stacked = np.stack([x.astype(dtype) for x in inputs])
+                expected = combine(stacked, axis=0).astype(dtype)
+                np.testing.assert_array_equal(buffer, expected,
+                                              err_msg=f"{dtype} {count} {op}")
+
+
+def check_fill_and_after(reducer):
+    rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    source = np.arange(2 * CHUNK, dtype=np.float64) + rank
+    buffer = np.full(source.size, np.nan)
+    seen = np.zeros(source.size, np.int64)
+
+    def fill(start, stop, destination):
+        destination[...] = source[start:stop] * 2
+
+    def after(start, stop):
+        seen[start:stop] += 1
+
+    list(reducer.allreduce(buffer, ReduceOp.SUM, fill, after))
+    want = 2 * (size * np.arange(source.size, dtype=np.float64) + sum(range(size)))
+    np.testing.assert_array_equal(buffer, want)
+    np.testing.assert_array_equal(seen, 1)
+
+
+def check_over(make_inside):
+    inside, cross = carved_nodes()
+    reducer = HierarchicalAllreduce(make_inside(inside), cross)
+    check_against_numpy(reducer)
+    check_fill_and_after(reducer)
+    reducer.close()
+
+
+@mpi_test(np=(4, 6), init=False, timeout=60)
+def test_over_shared_memory_inside_each_node():
+    check_over(lambda inside: SharedMemoryAllreduce(inside, CHUNK))
+
+
+@mpi_test(np=(4, 6), init=False, timeout=60)
+def test_over_mpi_inside_each_node():
+    check_over(lambda inside: MpiInsideNode(inside, CHUNK))
