@@ -20,7 +20,6 @@ Sections:
 import argparse
 import os
 import statistics
-import time
 
 import numpy as np
 
@@ -28,36 +27,13 @@ import numpy as np
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 from mpi4py import MPI  # noqa: E402  (after the setting above)
 
+from allreduce import alternate_times, raw  # noqa: E402
 from mpitrain.ops import ReduceOp  # noqa: E402
 from mpitrain.transport.shm import DEFAULT_CHUNK_BYTES, SharedMemoryAllreduce  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 CHUNKS = [256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB]
-
-
-def slowest(comm, fn):
-    """Seconds fn takes on the slowest rank."""
-    comm.Barrier()
-    start = time.perf_counter()
-    fn()
-    return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-
-
-def alternate_times(comm, variants, repetitions):
-    """Seconds of every repetition of variants run in turn, after one warm-up
-    each; index i of every list is the same repetition."""
-    for fn in variants.values():
-        fn()
-    times = {name: [] for name in variants}
-    for _ in range(repetitions):
-        for name, fn in variants.items():
-            times[name].append(slowest(comm, fn))
-    return times
-
-
-def raw(comm, buffer):
-    return lambda: comm.Allreduce(MPI.IN_PLACE, buffer, MPI.SUM)
 
 
 def shared_in_place(reducer, buffer):

@@ -25,7 +25,7 @@ from mpitrain.engine.messages import Response
 from mpitrain.engine.stall import StallInspector
 from mpitrain.errors import ERROR_CLASSES, GpuError, MpitrainInternalError
 from mpitrain.ops import OpType
-from mpitrain.transport.channel import Channel
+from mpitrain.transport.channel import ROUND, Channel
 from mpitrain.transport.device import DeviceTransport
 
 ALLREDUCE, JOIN = OpType.ALLREDUCE, OpType.JOIN
@@ -206,7 +206,7 @@ class SetController:
             status |= control.SHUTDOWN
         nbits = self.cache.nbits
         vector = control.encode(status, ready, invalid, submitted, nbits)
-        self.channel.doing = "negotiation round"
+        self.channel.doing = ROUND
         yield from self.channel.round(vector)
         status, ready, invalid, submitted = control.decode(vector, nbits)
 
@@ -437,7 +437,7 @@ class SetController:
     def _check_stall(self, engine):
         """Stop the job when a name has waited past the shutdown time, unless
         the ranks it waits for are busy moving data (in another process set's
-        long transfer): those will come. A rank whose engine is idle will not."""
+        long transfer): those will come. One that only negotiates or idles will not."""
         now = time.monotonic()
         waiting, joined = self.coordinator.waiting(), self.coordinator.joined
         report = self.stall.check(now, waiting, joined)
@@ -445,7 +445,7 @@ class SetController:
             return
         absent = [rank for rank in self.stall.missing_ranks(now, waiting, joined)
                   if rank != engine.topology.rank]
-        if absent and not engine.watch.blame(absent, idle_moves=False):
+        if absent and not engine.watch.blame(absent, transfers_only=True):
             self.stall_recheck = time.monotonic() + STALL_RECHECK
             return
         engine.request_stop(report)

@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.engine.controller import EngineStopped
+from mpitrain.transport.channel import ROUND
 
 log = logging.getLogger("mpitrain")
 
@@ -37,7 +38,6 @@ WATCH, ENGINE = 0, 1           # who asks: the watch thread or the engine thread
 NOTICE_BYTES = 4096            # a notice fits MPI's eager protocol: sending never waits
 LOOK_EVERY = 0.5               # seconds between the watch's looks
 ANSWER_WITHIN = 2.0            # seconds a live peer's watch takes at most to answer
-IDLE = -1.0                    # the answer of an engine with nothing in flight
 
 
 class EngineAbandoned(Exception):
@@ -97,17 +97,19 @@ class Watch:
         data = np.frombuffer(reason.encode()[:NOTICE_BYTES], dtype=np.uint8)
         self._to_everyone(data, NOTICE)
 
-    def blame(self, ranks, asker=ENGINE, idle_moves=True):
+    def blame(self, ranks, asker=ENGINE, transfers_only=False):
         """Why ``ranks`` keep this rank waiting, or "" where one of them is
-        busy moving data (then the wait is healthy and goes on). idle_moves:
-        count a rank whose engine has nothing in flight as moving."""
+        busy moving data (then the wait is healthy and goes on).
+        transfers_only: count only ranks inside a collective's transfer as
+        moving, not those that negotiate or have nothing in flight."""
         if self._comm is None:
             return "another rank's mpitrain engine stopped answering (is its process " \
                    "frozen, or was it killed?)"
-        ages = self._ask(ranks, asker)
+        answers = self._ask(ranks, asker)
+        ages = {rank: age for rank, (age, _) in answers.items()}
         silent = [rank for rank in ranks if rank not in ages]
-        moving = [rank for rank, age in ages.items()
-                  if age < self.limit and (age != IDLE or idle_moves)]
+        moving = [rank for rank, (age, transferring) in answers.items()
+                  if age < self.limit and (transferring or not transfers_only)]
         if moving and not silent:
             return ""
         parts = []
@@ -117,10 +119,7 @@ class Watch:
         still = sorted(set(ages) - set(moving))
         if still:
             parts.append(f"{_ranks(still)} answered, but {_its(still)} mpitrain "
-                         f"engine has waited {max(ages[r] for r in still):.0f} s too"
-                         if any(ages[r] != IDLE for r in still) else
-                         f"{_ranks(still)} answered, but {_its(still)} mpitrain "
-                         "engine has nothing in flight")
+                         f"engine has waited {max(ages[r] for r in still):.0f} s too")
         return "; ".join(parts)
 
     # -- the watch thread -----------------------------------------------------
@@ -201,43 +200,45 @@ class Watch:
         status = MPI.Status()
         while self._receiving[PING].Test(status):
             asker, question = self._ping
-            answer = np.array([question, self._waited()])
+            answer = np.array([question, *self._waited()])
             self._keep(self._comm.Isend(answer, status.Get_source(), PONG + int(asker)))
             self._listen(PING)
 
     def _waited(self):
-        """How long this engine has waited on MPI without progress (0: it works;
-        IDLE: it has no operation in flight)."""
+        """(how long this engine has waited on MPI without progress (0: it
+        works), whether it is inside a collective's transfer (1.0) or not)."""
         now = time.monotonic()
         with self._lock:
             inside, since = self._inside, self._since
+        busy = [c for c in list(self.engine.controllers.values())
+                if c.coroutine is not None]
+        transferring = float(any(c.channel.doing != ROUND for c in busy))
         if inside is not None:
-            return now - since
+            return now - since, float(not inside.endswith(ROUND))
         if self.working:
-            return 0.0
-        waits = [c.moved for c in list(self.engine.controllers.values())
-                 if c.coroutine is not None]
-        return now - max(waits) if waits else IDLE
+            return 0.0, transferring
+        return (now - max(c.moved for c in busy) if busy else 0.0), transferring
 
     def _ask(self, ranks, asker):
-        """{rank: seconds since its engine moved} of the ranks that answer in time."""
+        """{rank: (seconds since its engine moved, inside a transfer)} of the
+        ranks that answer in time."""
         with self._sent_lock:
             self._question += 1
             question = self._question
         for rank in ranks:
             self._keep(self._comm.Isend(np.array([asker, question], dtype=np.float64),
                                         rank, PING))
-        answers = {rank: np.zeros(2) for rank in ranks}
+        answers = {rank: np.zeros(3) for rank in ranks}
         pending = {rank: self._comm.Irecv(answers[rank], rank, PONG + asker)
                    for rank in ranks}
         deadline = time.monotonic() + ANSWER_WITHIN
-        ages = {}
+        replies = {}
         while pending and time.monotonic() < deadline:
             if asker == WATCH:
                 self._answer_pings()
             for rank in [r for r, request in pending.items() if request.Test()]:
                 if answers[rank][0] == question:
-                    ages[rank] = float(answers[rank][1])
+                    replies[rank] = (float(answers[rank][1]), bool(answers[rank][2]))
                     del pending[rank]
                 else:                     # the late answer to an earlier question
                     pending[rank] = self._comm.Irecv(answers[rank], rank, PONG + asker)
@@ -245,7 +246,7 @@ class Watch:
         for request in pending.values():
             request.Cancel()
             request.Wait()
-        return ages
+        return replies
 
     def _to_everyone(self, data, tag):
         if self._comm is None:

@@ -20,6 +20,7 @@ PIECE = 1 << 30                  # bytes per piece of a large transfer
 COUNT_LIMIT = (1 << 31) - 1      # MPI's counts and offsets are C ints
 EXCHANGE_TAG = 77                # rank-to-rank pieces of large gathers and exchanges
 WINDOW = 4                       # pieces of a non-blocking allreduce in flight at once
+ROUND = "negotiation round"      # what a channel does while it moves no tensor
 
 MPI_OPS = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM,
            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
@@ -83,7 +84,7 @@ class Channel:
         # guard(what) wraps every blocking call, so that one which stops
         # moving data is noticed (mpitrain.engine.watch); doing says what for.
         self.guard = guard
-        self.doing = "negotiation round"
+        self.doing = ROUND
         # Open MPI reduces 1-16 MiB per call faster per byte than larger calls.
         self.chunk_size = chunk_size
         self.rank = comm.rank
