@@ -80,6 +80,12 @@ def test_fused_tensors_and_buffers_larger_than_a_chunk():
     for shape, handle in zip(shapes, handles):
         want = sum(contributions(shape, np.float32, k) for k in range(n))
         np.testing.assert_array_equal(mt.synchronize(handle), want)
+    parts = [contributions(shape, np.float32, r) for shape in shapes]
+    scaled = mt.grouped_allreduce(parts, op=mt.Sum, prescale_factor=0.5,
+                                  postscale_factor=4.0, name="fused.scaled")
+    for shape, got in zip(shapes, scaled):
+        want = 2.0 * sum(contributions(shape, np.float32, k) for k in range(n))
+        np.testing.assert_array_equal(got, want)
     big = np.linspace(-1, 1, 3 * (1 << 20) + 5, dtype=np.float64) * (r + 1)
     want = np.linspace(-1, 1, big.size, dtype=np.float64) * (n * (n + 1) / 2)
     np.testing.assert_allclose(mt.allreduce(big, op=mt.Sum, name="big"), want,
