@@ -18,7 +18,8 @@ from tests.mpi_harness import mpi_test
 from tests.test_torch_optimizer import (ROWS, adam, assert_close,
                                         assert_identical_across_ranks, batch,
                                         check_against_one_process, embedding_loss,
-                                        loss_of, sgd, two_heads)
+                                        loss_of, sgd, sparse_steps_beside_one_process,
+                                        two_heads)
 
 torch.set_num_threads(1)
 
@@ -259,7 +260,7 @@ def test_a_process_set_forms_buckets_among_its_members_only():
 
 @mpi_test(np=(2, 3))
 def test_a_sparse_embedding_gradient_stays_out_of_the_buckets_and_is_gathered_sparse():
-    r, n = hvd.rank(), hvd.size()
+    n = hvd.size()
     ids = torch.arange(n * 3).remainder(7).view(n, 3)
 
     def make():
@@ -267,26 +268,16 @@ def test_a_sparse_embedding_gradient_stays_out_of_the_buckets_and_is_gathered_sp
         return torch.nn.ModuleDict({"embedding": torch.nn.Embedding(7, 2, sparse=True),
                                     "head": torch.nn.Linear(2, 1)})
 
-    def loss_of(net, rows):
+    def head_and_embedding_loss(net, rows):
         return embedding_loss(net["embedding"], rows) + net["head"](
             net["embedding"](rows)).pow(2).mean()
 
     for sparse_as_dense in (False, True):
         reference, model = make(), make()
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                             named_parameters=model.named_parameters(),
-                                             sparse_as_dense=sparse_as_dense)
-        for step in range(3):
-            reference_optimizer.zero_grad()
-            loss_of(reference, ids).backward()
-            reference_optimizer.step()
-            optimizer.zero_grad()
-            loss_of(model, ids[r]).backward()
-            optimizer.synchronize()
-            assert model["embedding"].weight.grad.is_sparse
-            with optimizer.skip_synchronize():
-                optimizer.step()
+        for _ in sparse_steps_beside_one_process(
+                model, reference, head_and_embedding_loss, ids, 3,
+                model["embedding"].weight, named_parameters=model.named_parameters(),
+                sparse_as_dense=sparse_as_dense):
             for p, q in zip(model.parameters(), reference.parameters()):
                 torch.testing.assert_close(p, q)
         head = model["head"]

@@ -283,28 +283,40 @@ def embedding_loss(embedding, ids):
     return embedding(ids).pow(2).sum() / ids.numel()
 
 
+def sparse_steps_beside_one_process(model, reference, loss, ids, steps, sparse,
+                                    **options):
+    """Take steps of SGD on model through DistributedOptimizer (this rank's
+    row of ids) and on reference alone (every row), checking after each
+    synchronize() that the parameter ``sparse`` got a sparse gradient; yields
+    after every step."""
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                         **options)
+    for _ in range(steps):
+        reference_optimizer.zero_grad()
+        loss(reference, ids).backward()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        loss(model, ids[hvd.rank()]).backward()
+        optimizer.synchronize()
+        assert sparse.grad.is_sparse
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        yield
+
+
 @mpi_test()
 def test_sparse_gradients_gathered_or_as_dense():
-    r, n = hvd.rank(), hvd.size()
+    n = hvd.size()
     ids = torch.arange(n * 3).remainder(7).view(n, 3)
     for sparse_as_dense in (False, True):
         torch.manual_seed(2)
         reference = torch.nn.Embedding(7, 2, sparse=True)
         model = torch.nn.Embedding(7, 2, sparse=True)
         model.load_state_dict(reference.state_dict())
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                             sparse_as_dense=sparse_as_dense)
-        for _ in range(2):
-            reference_optimizer.zero_grad()
-            embedding_loss(reference, ids).backward()
-            reference_optimizer.step()
-            optimizer.zero_grad()
-            embedding_loss(model, ids[r]).backward()
-            optimizer.synchronize()
-            assert model.weight.grad.is_sparse
-            with optimizer.skip_synchronize():
-                optimizer.step()
+        for _ in sparse_steps_beside_one_process(model, reference, embedding_loss, ids,
+                                                 2, model.weight,
+                                                 sparse_as_dense=sparse_as_dense):
             torch.testing.assert_close(model.weight, reference.weight)
             assert_identical_across_ranks(model)
 
