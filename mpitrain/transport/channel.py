@@ -119,9 +119,13 @@ class Channel:
         yield self.comm.Iallreduce(MPI.IN_PLACE, vote, MPI.MAX)
         return bool(vote[0])
 
+    def chunk_elements(self, itemsize):
+        """Elements of itemsize bytes in one piece of an MPI allreduce."""
+        return max(1, self.chunk_size // itemsize)
+
     def chunks(self, count, itemsize):
         """(start, stop) of the pieces of about chunk_size bytes that allreduce makes."""
-        step = max(1, self.chunk_size // itemsize)
+        step = self.chunk_elements(itemsize)
         return [(start, min(start + step, count))
                 for start in range(0, max(count, 1), step)]
 
@@ -172,7 +176,7 @@ class Channel:
 
     def allgatherv(self, send, receive, counts):
         """Gather byte views; counts are bytes per rank."""
-        starts = _starts(counts)
+        starts = starts_of(counts)
         if starts[-1] > COUNT_LIMIT:         # counts or offsets past MPI's int
             me = self.rank
             receive[starts[me]:starts[me + 1]] = send
@@ -208,7 +212,7 @@ class Channel:
 
     def alltoallv(self, send, send_counts, receive, receive_counts):
         """Exchange byte views; counts are bytes per rank."""
-        sent, received = _starts(send_counts), _starts(receive_counts)
+        sent, received = starts_of(send_counts), starts_of(receive_counts)
         if max(sent[-1], received[-1]) > COUNT_LIMIT:
             me = self.rank
             receive[received[me]:received[me + 1]] = send[sent[me]:sent[me + 1]]
@@ -297,8 +301,8 @@ class Channel:
         return _unpickled(received, sizes)
 
 
-def _starts(counts):
-    """Where each rank's part starts, and the end: [0, c0, c0 + c1, ...]."""
+def starts_of(counts):
+    """Where each part starts, and the end: [0, c0, c0 + c1, ...]."""
     starts = [0]
     for count in counts:
         starts.append(starts[-1] + int(count))

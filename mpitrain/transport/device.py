@@ -118,14 +118,14 @@ class DeviceTransport:
 
 def _staged(buffer, op, channel, backend):
     host = backend.pinned(buffer.dtype, buffer.size)
-    copies = [(start, stop, backend.download(buffer[start:stop], host[start:stop]))
+    copies = [backend.download(buffer[start:stop], host[start:stop])
               for start, stop in channel.chunks(buffer.size, buffer.itemsize)]
+    step = channel.chunk_elements(buffer.itemsize)
 
     def fill(start, stop, destination):
         # The channel's route may travel in other pieces than the copies.
-        for low, high, copy in copies:
-            if low < stop and high > start:
-                copy.synchronize()
+        for copy in copies[start // step:(stop - 1) // step + 1]:
+            copy.synchronize()
         if not np.shares_memory(destination, host):      # shared memory: copy on
             np.copyto(destination, host[start:stop])
 

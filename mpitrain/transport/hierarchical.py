@@ -11,7 +11,7 @@ same number of ranks on every node, so that the slices line up.
 import numpy as np
 from mpi4py import MPI
 
-from mpitrain.transport.channel import MPI_TYPES, even_split, mpi_operation
+from mpitrain.transport.channel import MPI_TYPES, even_split, mpi_operation, starts_of
 from mpitrain.transport.shm import unguarded
 
 
@@ -60,7 +60,7 @@ class MpiInsideNode:
             if fill is not None:
                 fill(start, stop, chunk)
             counts = even_split(stop - start, size)
-            starts = [sum(counts[:part]) for part in range(size)]
+            starts = starts_of(counts)[:-1]
             mine = np.empty(counts[rank], buffer.dtype)
             with guard("MPI_Reduce_scatter inside the node"):
                 self.comm.Reduce_scatter([chunk, datatype], [mine, datatype], counts,
