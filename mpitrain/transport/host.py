@@ -14,14 +14,14 @@ import os
 
 from mpitrain.transport.hierarchical import HierarchicalAllreduce, MpiInsideNode
 from mpitrain.transport.shm import (
-    DEFAULT_CHUNK_BYTES, SharedMemoryAllreduce, SharedMemoryUnavailable, segment_bytes)
+    DEFAULT_CHUNK_BYTES, SEGMENT_DIRECTORY, SharedMemoryAllreduce,
+    SharedMemoryUnavailable, free_bytes, segment_bytes)
 
 log = logging.getLogger("mpitrain")
 
 # Below this, MPITRAIN_INTRA_NODE=auto leaves a buffer to MPI's allreduce,
 # which is as fast or faster there (benchmarks/shm_allreduce.py).
 AUTO_MIN_BYTES = 4 << 20
-SEGMENT_DIRECTORY = "/dev/shm"
 
 
 @dataclasses.dataclass
@@ -73,8 +73,7 @@ def _inside_one_node(comm, config):
     if config.intra_node == "mpi":
         return HostRoute(description="MPI's allreduce (MPITRAIN_INTRA_NODE=mpi)")
     try:
-        reducer = SharedMemoryAllreduce(comm, DEFAULT_CHUNK_BYTES,
-                                        directory=SEGMENT_DIRECTORY)
+        reducer = SharedMemoryAllreduce(comm, DEFAULT_CHUNK_BYTES)
     except SharedMemoryUnavailable as error:
         if config.intra_node == "shm":
             raise IntraNodeError(
@@ -107,11 +106,10 @@ def _shared_memory_here(config, ranks):
         return "[ ] shared memory inside a node: off (MPITRAIN_INTRA_NODE=mpi)"
     needed = segment_bytes(DEFAULT_CHUNK_BYTES, ranks)
     try:
-        stat = os.statvfs(SEGMENT_DIRECTORY)
+        free = free_bytes(SEGMENT_DIRECTORY)
     except OSError as error:
         return (f"[ ] shared memory inside a node: {SEGMENT_DIRECTORY} is missing "
                 f"({error.strerror}): host allreduces use MPI's")
-    free = stat.f_bavail * stat.f_frsize
     if free < needed or not os.access(SEGMENT_DIRECTORY, os.W_OK):
         return (f"[ ] shared memory inside a node: {SEGMENT_DIRECTORY} has {free} bytes "
                 f"free and {ranks} ranks need {needed}: host allreduces use MPI's")

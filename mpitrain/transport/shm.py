@@ -41,6 +41,7 @@ NAME_PREFIX = "mpitrain-shm-"
 SLICE_ALIGNMENT = 64        # bytes: a cache line, also a whole AVX-512 vector
 SLOT_ALIGNMENT = 4096       # bytes: slots start on their own pages
 DEFAULT_CHUNK_BYTES = 1 << 20
+SEGMENT_DIRECTORY = "/dev/shm"
 
 
 def unguarded(what):
@@ -63,7 +64,7 @@ class SharedMemoryAllreduce:
     """
 
     def __init__(self, comm, chunk_bytes=DEFAULT_CHUNK_BYTES, blocking=True,
-                 directory="/dev/shm"):
+                 directory=SEGMENT_DIRECTORY):
         if chunk_bytes < SLICE_ALIGNMENT:
             raise ValueError(f"chunk_bytes must be at least {SLICE_ALIGNMENT}, "
                              f"not {chunk_bytes}")
@@ -213,12 +214,18 @@ def _create(directory, size):
         os.close(descriptor)
 
 
+def free_bytes(directory):
+    """Bytes a segment may still take in directory's file system (OSError
+    where directory is missing)."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
 def _free(directory):
     try:
-        stat = os.statvfs(directory)
+        return f" ({directory} has {free_bytes(directory)} bytes free)"
     except OSError:
         return ""
-    return f" ({directory} has {stat.f_bavail * stat.f_frsize} bytes free)"
 
 
 def _map(path, size):
