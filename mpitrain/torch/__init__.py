@@ -21,6 +21,7 @@ from mpitrain.torch import elastic
 from mpitrain.torch.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from mpitrain.torch.local_sgd import LocalSGDOptimizer
 from mpitrain.torch.ops import (
     allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async,
     broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async,

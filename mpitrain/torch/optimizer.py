@@ -61,6 +61,7 @@ class _DistributedOptimizer:
         self._pending = {}          # parameter, group or bucket -> (handle, write back)
         self._synchronized = False
         self._should_synchronize = True
+        self._sending = True        # False inside no_sync(): backward sends nothing
         if process_set.included():
             self._register_hooks()
 
@@ -78,6 +79,8 @@ class _DistributedOptimizer:
         weakref.finalize(self, _remove_all, handles)
 
     def _gradient_ready(self, p):
+        if not self._sending:
+            return                      # accumulated in p.grad by autograd, counted later
         if self._passes_left[p] == 0:
             raise AssertionError(
                 f"the gradient of '{self._names[p]}' was computed more than "
@@ -268,7 +271,29 @@ class _DistributedOptimizer:
         finally:
             self._should_synchronize = True
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally and send nothing.
+
+        As DDP's ``no_sync()``: the first backward pass after the block sends
+        the sum of every pass's gradients, and ``step()`` applies their
+        average across ranks. Ranks may run different numbers of passes
+        inside; those passes do not count toward backward_passes_per_step.
+        """
+        if not self._sending:
+            raise RuntimeError("optimizer.no_sync() blocks cannot be nested")
+        self._sending = False
+        try:
+            yield
+        finally:
+            self._sending = True
+
     def step(self, closure=None):
+        if not self._sending:
+            raise RuntimeError(
+                "optimizer.step() inside optimizer.no_sync(): the gradients "
+                "accumulated there have not been sent to the other ranks; run one "
+                "more backward pass after the block, then step()")
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(

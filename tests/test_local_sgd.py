@@ -1,0 +1,144 @@
+"""LocalSGDOptimizer: local steps, then the ranks' parameters averaged every K steps."""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpitrain.torch as hvd
+from mpitrain.torch.local_sgd import AVERAGE_NAME
+from tests.mpi_harness import mpi_test
+from tests.test_torch_optimizer import (ROWS, assert_close, assert_identical_across_ranks,
+                                        batch, make_model)
+
+torch.set_num_threads(1)
+
+
+def local_step(model, optimizer, step):
+    """One step on this rank's own rows (they differ between ranks)."""
+    x, y = batch(100 * hvd.rank() + step, ROWS)
+    optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def mean_across_ranks(tensors):
+    everyone = hvd.allgather_object([t.detach().clone() for t in tensors])
+    return [sum(parts) / hvd.size() for parts in zip(*everyone)]
+
+
+def identical_across_ranks(model):
+    mine = [p.detach().numpy().tobytes() for p in model.parameters()]
+    return all(other == mine for other in hvd.allgather_object(mine))
+
+
+def allreduce_rows(path):
+    """{row name: ALLREDUCE spans} of rank 0's timeline."""
+    events = json.load(open(path))
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"
+            and e["name"] == "process_name"}
+    counts = {}
+    for e in events:
+        if e.get("ph") == "B" and e.get("name") == "ALLREDUCE":
+            counts[rows[e["pid"]]] = counts.get(rows[e["pid"]], 0) + 1
+    return counts
+
+
+@mpi_test()
+def test_k_local_steps_then_the_average_of_independent_trainings():
+    """Without overlap, K local steps of SGD with momentum, then every rank
+    holds the mean of K steps trained alone; parameters and momentum both."""
+    period = 3
+    model, alone = make_model(), make_model()
+    optimizer = hvd.LocalSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(), period=period,
+        average_optimizer_state=True, overlap_averaging=False)
+    alone_optimizer = torch.optim.SGD(alone.parameters(), lr=0.1, momentum=0.9)
+    path = os.path.join(tempfile.gettempdir(), f"mpitrain-local-sgd-{hvd.size()}.json")
+    hvd.start_timeline(path)
+    for step in range(2 * period):
+        local_step(model, optimizer, step)
+        local_step(alone, alone_optimizer, step)
+        if step % period < period - 1:
+            assert not identical_across_ranks(model), f"step {step} was not local"
+            assert_close(model, alone)
+            continue
+        assert_identical_across_ranks(model)
+        averaged = list(alone.parameters()) + [
+            alone_optimizer.state[p]["momentum_buffer"] for p in alone.parameters()]
+        for tensor, mean in zip(averaged, mean_across_ranks(averaged)):
+            tensor.data.copy_(mean)
+        assert_close(model, alone)
+        for p, q in zip(model.parameters(), alone.parameters()):
+            torch.testing.assert_close(optimizer.state[p]["momentum_buffer"],
+                                       alone_optimizer.state[q]["momentum_buffer"])
+    hvd.stop_timeline()
+    if hvd.rank() == 0:
+        # Local steps send nothing: only the two averages of 4 parameters and
+        # their 4 momentum buffers, one grouped call each.
+        rows = allreduce_rows(path)
+        os.remove(path)
+        assert rows == {name: 2 for name in [f"{AVERAGE_NAME}_{i}of8" for i in range(8)]}
+
+
+@mpi_test()
+def test_warmup_steps_average_gradients_then_ranks_step_on_their_own():
+    r, n = hvd.rank(), hvd.size()
+    model, reference = make_model(), make_model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      period=4, warmup_steps=2)
+    for step in range(2):
+        assert not optimizer.local_phase
+        x, y = batch(step, n * ROWS)
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]).backward()
+        optimizer.step()
+        assert_close(model, reference)
+        assert_identical_across_ranks(model)
+    assert optimizer.local_phase
+    local_step(model, optimizer, 2)
+    assert not identical_across_ranks(model)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@mpi_test()
+def test_overlapped_average_keeps_the_next_local_step_on_top_of_it():
+    period, lr = 2, 0.1
+    model = make_model()
+    optimizer = hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                      named_parameters=model.named_parameters(),
+                                      period=period)
+    for step in range(period):
+        local_step(model, optimizer, step)
+    # The average of these travels during the next step, which starts from them.
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    assert not identical_across_ranks(model)
+    local_step(model, optimizer, period)
+    alone = make_model()
+    for p, q in zip(alone.parameters(), snapshot):
+        p.data.copy_(q)
+    local_step(alone, torch.optim.SGD(alone.parameters(), lr=lr), period)
+    for p, q, s, mean in zip(model.parameters(), alone.parameters(), snapshot,
+                             mean_across_ranks(snapshot)):
+        torch.testing.assert_close(p, mean + (q - s), rtol=1e-5, atol=1e-6)
+    optimizer.average_parameters()
+    assert_identical_across_ranks(model)
+
+
+@mpi_test()
+def test_bad_period_and_warmup_are_refused():
+    model = make_model()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="period must be"):
+            hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), period=bad)
+    with pytest.raises(ValueError, match="warmup_steps must be"):
+        hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), warmup_steps=-1)
