@@ -35,7 +35,8 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["mpitrain", "mpitrain.*"]),
     python_requires=">=3.10",
-    install_requires=["numpy>=1.24", "mpi4py>=4.0", "ml_dtypes>=0.3"],
+    # cloudpickle: mpitrain.run sends the function, a lambda or closure too, to the ranks.
+    install_requires=["numpy>=1.24", "mpi4py>=4.0", "ml_dtypes>=0.3", "cloudpickle>=2.2"],
     extras_require=extras,
     entry_points={"console_scripts": ["mpitrainrun = mpitrain.launcher.run:main"]},
     classifiers=[

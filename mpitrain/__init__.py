@@ -23,3 +23,15 @@ from mpitrain.errors import (
     HorovodInternalError, MismatchError, MpitrainInternalError, ShutdownError)
 from mpitrain.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from mpitrain.version import __version__
+from mpitrain import horovod_names as _horovod_names
+
+__getattr__ = _horovod_names.module_getattr(__name__, "horovod", lazy={
+    "run": ("mpitrain.launcher.function", "run"),
+}, missing={
+    "keras": "(standalone Keras 2) is not provided: use mpitrain.tensorflow.keras, "
+             "with TF_USE_LEGACY_KERAS=1 for tf_keras",
+    "mxnet": "is not provided: mpitrain adapts PyTorch, TensorFlow and numpy",
+    "spark": "is not provided: start the job with mpitrainrun or mpitrain.run",
+    "ray": "is not provided: start the job with mpitrainrun or mpitrain.run",
+    "runner": "is not provided: mpitrain.run is horovod.run, and mpitrainrun horovodrun",
+})

@@ -18,3 +18,12 @@ from mpitrain.tensorflow.keras.checkpoint import load_checkpoint, save_checkpoin
 from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from mpitrain.tensorflow.keras.saving import load_model
 from mpitrain.tensorflow.keras.variables import broadcast_global_variables
+from mpitrain import horovod_names as _horovod_names
+
+_IN_TENSORFLOW = "is not in Horovod's Keras module either: use mpitrain.tensorflow's"
+__getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow.keras", missing={
+    name: _IN_TENSORFLOW for name in (
+        "DistributedGradientTape", "PartialDistributedGradientTape", "alltoall",
+        "grouped_reducescatter", "broadcast_", "SyncBatchNormalization")} | {
+    "run": "is horovod.run, which is mpitrain.run",
+})

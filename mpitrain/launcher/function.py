@@ -1,0 +1,193 @@
+"""``mpitrain.run(func, args, kwargs, np=2)``: Horovod's ``horovod.run``.
+
+The caller pickles the function and its arguments with cloudpickle (so a
+lambda, a closure or a function of ``__main__`` travels by value) into a
+fresh directory, starts ``python -m mpitrain.launcher.function DIRECTORY``
+on every rank through mpitrainrun, and reads back each rank's return value,
+or the exception it raised with its traceback. The ranks find the directory
+by its path: on other hosts it must be on a shared file system, so for those
+it is made in the working directory instead of /tmp.
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import cloudpickle
+
+from mpitrain.launcher.run import all_on_this_machine, parse_hosts, read_hostfile
+
+FUNCTION = "function.pickle"
+
+# Horovod's arguments that have no meaning under a fixed MPI world, and what
+# to do instead; any value but None for them is refused.
+UNSUPPORTED = {
+    "min_np": "elastic launches are not provided: the MPI world is fixed "
+              "(docs/fault-tolerance.md)",
+    "max_np": "elastic launches are not provided: the MPI world is fixed",
+    "slots": "elastic launches are not provided; give slots per host in "
+             "hosts='node1:2,node2:2'",
+    "reset_limit": "elastic launches are not provided; hvd.elastic.run's resets "
+                   "are limited by MPITRAIN_ELASTIC_RESET_LIMIT",
+    "cooldown_range": "elastic launches are not provided: the MPI world is fixed",
+    "ssh_port": "give it to Open MPI through mpi_args, e.g. "
+                "mpi_args='--mca plm_rsh_args \"-p 2222\"'",
+    "ssh_identity_file": "give it to Open MPI through mpi_args, e.g. "
+                         "mpi_args='--mca plm_rsh_args \"-i ~/.ssh/key\"'",
+    "output_filename": "give it to Open MPI through mpi_args, e.g. "
+                       "mpi_args='--output-filename logs'",
+}
+
+
+class RankError(RuntimeError):
+    """A rank of ``mpitrain.run`` raised: ``rank`` is the first that did,
+    ``remote_traceback`` its traceback; the message has every failed rank's."""
+
+    def __init__(self, message, rank, remote_traceback):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def run(func, args=(), kwargs=None, np=1, min_np=None, max_np=None, slots=None,
+        reset_limit=None, cooldown_range=None, hosts=None, hostfile=None,
+        start_timeout=None, ssh_port=None, ssh_identity_file=None, disable_cache=None,
+        output_filename=None, verbose=None, use_gloo=None, use_mpi=None, mpi_args=None,
+        network_interface=None, executable=None):
+    """Run ``func(*args, **kwargs)`` on ``np`` ranks and return the list of
+    their return values, ordered by rank.
+
+    As Horovod's ``horovod.run``: ``hosts`` ('node1:2,node2:2') or
+    ``hostfile`` say where, ``mpi_args``, ``network_interface`` and
+    ``verbose`` go to the launcher, ``executable`` is the Python the ranks
+    run (default: this one). ``start_timeout`` and ``disable_cache`` are
+    accepted and have no effect: mpirun starts the ranks itself, and there
+    is no host check to cache. A rank that raises makes this raise
+    RankError with its rank and traceback; a job that fails otherwise
+    raises RuntimeError with its exit code.
+    """
+    given = [(name, value) for name, value in locals().items()
+             if name in UNSUPPORTED and value is not None]
+    if given:
+        name, value = given[0]
+        raise ValueError(f"mpitrain.run: {name}={value!r} is not supported: "
+                         f"{UNSUPPORTED[name]}")
+    if use_gloo:
+        raise ValueError("mpitrain.run: use_gloo=True is not supported: mpitrain "
+                         "always runs on MPI")
+    if not isinstance(np, int) or isinstance(np, bool) or np < 1:
+        raise ValueError(f"mpitrain.run: np must be a whole number >= 1, not {np!r}")
+    if hosts and hostfile:
+        raise ValueError("mpitrain.run: give hosts or hostfile, not both")
+    host_list = (parse_hosts(hosts) if hosts
+                 else read_hostfile(hostfile) if hostfile else [])
+    where = None if all_on_this_machine(host_list) else os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="mpitrain-run-", dir=where) as directory:
+        with open(os.path.join(directory, FUNCTION), "wb") as file:
+            cloudpickle.dump((func, tuple(args), dict(kwargs or {})), file)
+        code = subprocess.call(
+            launcher_command(np, hosts, hostfile, mpi_args, network_interface, verbose)
+            + [executable or sys.executable, "-m", __name__, directory],
+            env=rank_environment(executable))
+        outcomes = [read_outcome(directory, rank) for rank in range(np)]
+    return results_or_raise(outcomes, code)
+
+
+def launcher_command(np, hosts, hostfile, mpi_args, network_interface, verbose):
+    line = [sys.executable, "-m", "mpitrain.launcher.run", "-np", str(np)]
+    if hosts:
+        line += ["-H", hosts]
+    if hostfile:
+        line += ["--hostfile", hostfile]
+    if mpi_args:
+        line += ["--mpi-args", mpi_args]
+    if network_interface:
+        line += ["--network-interface", network_interface]
+    if verbose:
+        line.append("--verbose")
+    return line
+
+
+def rank_environment(executable):
+    """This environment; with this Python on the ranks, also its sys.path, so
+    that functions pickled by reference (those of importable modules) load."""
+    env = dict(os.environ)
+    if executable is None:
+        paths = [path or os.getcwd() for path in sys.path]
+        env["PYTHONPATH"] = os.pathsep.join(
+            paths + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def read_outcome(directory, rank):
+    """('result', value), ('error', traceback text) or None if the rank wrote none."""
+    try:
+        with open(os.path.join(directory, f"outcome.{rank}"), "rb") as file:
+            return pickle.load(file)
+    except FileNotFoundError:
+        return None
+
+
+def results_or_raise(outcomes, code):
+    failed = [(rank, outcome[1]) for rank, outcome in enumerate(outcomes)
+              if outcome is not None and outcome[0] == "error"]
+    if failed:
+        rank, text = failed[0]
+        report = "\n".join(f"rank {r} raised:\n{t}" for r, t in failed)
+        raise RankError(f"mpitrain.run: {len(failed)} of {len(outcomes)} ranks "
+                        f"raised (first: rank {rank})\n{report}", rank, text)
+    missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
+    if code or missing:
+        raise RuntimeError(f"mpitrain.run: the job ended with exit code {code}; "
+                           f"ranks that returned no result: {missing or 'none'}")
+    return [value for _, value in outcomes]
+
+
+def this_rank():
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    raise RuntimeError("mpitrain.launcher.function runs under mpirun, started by "
+                       "mpitrain.run(); found no rank in the environment")
+
+
+def write_outcome(directory, rank, outcome):
+    """Written under a temporary name and renamed, so the caller never reads half."""
+    path = os.path.join(directory, f"outcome.{rank}")
+    with open(path + ".part", "wb") as file:
+        try:
+            cloudpickle.dump(outcome, file)
+        except Exception:
+            file.seek(0)
+            file.truncate()
+            cloudpickle.dump(("error", "the return value cannot be pickled:\n"
+                              + traceback.format_exc()), file)
+    os.replace(path + ".part", path)
+
+
+def main(directory):
+    rank = this_rank()
+    path = os.path.join(directory, FUNCTION)
+    try:
+        with open(path, "rb") as file:
+            func, args, kwargs = pickle.load(file)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"rank {rank} cannot read {path}: ranks on other hosts need the working "
+            "directory of mpitrain.run on a shared file system") from None
+    try:
+        value = func(*args, **kwargs)
+    except BaseException as error:
+        # The traceback from the function on, without this module's frame.
+        text = "".join(traceback.format_exception(
+            type(error), error, error.__traceback__.tb_next))
+        write_outcome(directory, rank, ("error", text))
+        raise                    # the job ends as when a script raises
+    write_outcome(directory, rank, ("result", value))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

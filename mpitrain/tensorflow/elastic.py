@@ -1,0 +1,45 @@
+"""Horovod's ``horovod.tensorflow.elastic``, within a fixed MPI world.
+
+``TensorFlowKerasState`` and ``run`` are those of
+mpitrain.tensorflow.keras.elastic (a reset restores the last commit on every
+rank and calls the function again; see docs/fault-tolerance.md);
+``TensorFlowState`` commits a list of TensorFlow variables instead of a
+model; ``ObjectState`` commits plain values only.
+"""
+
+import numpy as np
+
+from mpitrain.api.elastic import State
+from mpitrain.tensorflow.broadcast import broadcast_variables
+from mpitrain.tensorflow.keras.elastic import TensorFlowKerasState, run
+
+__all__ = ["ObjectState", "TensorFlowKerasState", "TensorFlowState", "run"]
+
+ObjectState = State
+
+
+class TensorFlowState(State):
+    """TensorFlow variables and plain values, committed together."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if session is not None:
+            raise ValueError("TensorFlowState(session=...) is for TF1 sessions, which "
+                             "mpitrain does not support: give the variables")
+        if variables is None:
+            raise ValueError("TensorFlowState needs variables=[...]: TF2 keeps no "
+                             "global variables to take by default")
+        self.variables = list(variables)
+        super().__init__(**kwargs)
+
+    def save(self):
+        self._saved_variables = [np.array(v) for v in self.variables]
+        super().save()
+
+    def restore(self):
+        for variable, value in zip(self.variables, self._saved_variables):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        broadcast_variables(self.variables, root_rank=0)
+        super().sync()

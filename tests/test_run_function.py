@@ -1,0 +1,91 @@
+"""mpitrain.run, Horovod's horovod.run: a function (a closure, given a
+lambda) runs on every rank, its return values come back in rank order, and a
+rank that raises makes the caller raise with that rank's traceback. Each
+caller is a script of its own, started with a timeout, so a hang fails."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import mpitrain
+from tests.mpi_harness import ROOT, job_environment
+
+RESULTS = """
+import json, sys
+import mpitrain
+
+def make_work(offset):
+    def work(transform, scale=1):
+        import numpy as np
+        import mpitrain as mt
+        mt.init()
+        total = mt.allreduce(np.array([mt.rank()], np.float64), op=mt.Sum)
+        return {"rank": mt.rank(), "size": mt.size(),
+                "total": float(total[0]) * scale + offset,
+                "transformed": transform(mt.rank())}
+    return work
+
+results = mpitrain.run(make_work(100), args=(lambda rank: rank * 10,),
+                       kwargs={"scale": 2}, np=int(sys.argv[1]))
+print(json.dumps(results))
+"""
+
+RANK_ONE_RAISES = """
+import mpitrain
+
+def train():
+    import mpitrain as mt
+    mt.init()
+    if mt.rank() == 1:
+        raise ValueError("rank 1: the batch is corrupt")
+    mt.barrier()          # rank 0 waits for rank 1, which never comes
+    return "done"
+
+try:
+    mpitrain.run(train, np=2)
+except mpitrain.launcher.function.RankError as error:
+    print("RANK", error.rank)
+    print("TRACEBACK", error.remote_traceback)
+"""
+
+
+def caller(tmp_path, script, *args):
+    path = tmp_path / "caller.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, str(path), *map(str, args)], cwd=ROOT,
+                          env=job_environment(), capture_output=True, text=True,
+                          timeout=150)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_results_come_back_in_rank_order_with_the_args_and_kwargs(nprocs, tmp_path):
+    job = caller(tmp_path, RESULTS, nprocs)
+    assert job.returncode == 0, job.stderr
+    results = json.loads(job.stdout.splitlines()[-1])
+    total = sum(range(nprocs)) * 2 + 100
+    assert results == [{"rank": rank, "size": nprocs, "total": total,
+                        "transformed": rank * 10} for rank in range(nprocs)]
+
+
+def test_a_rank_that_raises_raises_in_the_caller_with_its_rank_and_traceback(tmp_path):
+    job = caller(tmp_path, RANK_ONE_RAISES)
+    assert job.returncode == 0, job.stderr
+    assert "RANK 1\n" in job.stdout, job.stdout + job.stderr
+    traceback = job.stdout.split("TRACEBACK ", 1)[1]
+    assert traceback.startswith("Traceback (most recent call last):\n  File "), traceback
+    assert 'in train\n    raise ValueError("rank 1: the batch is corrupt")' in traceback
+    assert "mpitrain/launcher/function.py" not in traceback
+    assert traceback.rstrip().endswith("ValueError: rank 1: the batch is corrupt")
+
+
+@pytest.mark.parametrize("argument", ["min_np", "max_np", "reset_limit", "ssh_port"])
+def test_horovods_elastic_and_ssh_arguments_are_refused_with_what_to_do(argument):
+    with pytest.raises(ValueError, match=f"mpitrain.run: {argument}=2 is not supported"):
+        mpitrain.run(print, np=2, **{argument: 2})
+
+
+def test_np_must_be_a_whole_number_of_ranks():
+    with pytest.raises(ValueError, match="np must be a whole number >= 1, not 0"):
+        mpitrain.run(print, np=0)
