@@ -1,26 +1,30 @@
-"""The hierarchical allreduce on "nodes" carved out of one machine's ranks.
+"""The hierarchical allreduce and allgather on "nodes" carved out of one
+machine's ranks.
 
-The multi-host tests (test_multihost.py) run it across real network
-namespaces; here the ranks are split into nodes of two by hand, so the
-algorithm's slicing is checked on 4 and 6 ranks quickly, over both insides.
+The multi-host tests (test_multihost.py) run them across real network
+namespaces; here the ranks are split into nodes by hand, so the algorithms'
+slicing is checked on 4 and 6 ranks quickly: the allreduce over both insides,
+the allgather on nodes of consecutive ranks, of interleaved ranks and of
+different sizes.
 """
 
 import numpy as np
 from mpi4py import MPI
 
 from mpitrain.ops import ReduceOp
-from mpitrain.transport.hierarchical import HierarchicalAllreduce, MpiInsideNode
+from mpitrain.transport.hierarchical import (
+    HierarchicalAllgather, HierarchicalAllreduce, MpiInsideNode)
 from mpitrain.transport.shm import SharedMemoryAllreduce
 from tests.mpi_harness import mpi_test
 
 CHUNK = 4096            # bytes: small, so that buffers take many chunks
 
 
-def carved_nodes():
-    """(inside, cross) communicators of nodes of two consecutive ranks."""
+def carved_nodes(node_of=lambda rank, size: rank // 2):
+    """(inside, cross) communicators of nodes; by default of two consecutive ranks."""
     world = MPI.COMM_WORLD
-    inside = world.Split(color=world.rank // 2, key=world.rank)
-    cross = world.Split(color=world.rank % 2, key=world.rank)
+    inside = world.Split(color=node_of(world.rank, world.size), key=world.rank)
+    cross = world.Split(color=inside.rank, key=world.rank)
     return inside, cross
 
 
@@ -74,3 +78,29 @@ def test_over_shared_memory_inside_each_node():
 @mpi_test(np=(4, 6), init=False, timeout=60)
 def test_over_mpi_inside_each_node():
     check_over(lambda inside: MpiInsideNode(inside, CHUNK))
+
+
+LAYOUTS = {
+    "consecutive pairs": lambda rank, size: rank // 2,
+    "interleaved": lambda rank, size: rank % 2,
+    "uneven": lambda rank, size: 0 if rank < size - 1 else 1,
+}
+
+
+@mpi_test(np=(4, 6), init=False, timeout=60)
+def test_allgather_equals_mpis_on_every_layout():
+    world = MPI.COMM_WORLD
+    for layout, node_of in LAYOUTS.items():
+        check_allgather(layout, HierarchicalAllgather(world, *carved_nodes(node_of)))
+
+
+def check_allgather(layout, gatherer):
+    world = MPI.COMM_WORLD
+    for parts in ([0] * world.size, [3, 0, 70000, 1, 5, 9][:world.size],
+                  [k * 1001 + 17 for k in range(world.size)]):
+        send = ((np.arange(parts[world.rank]) * 7 + world.rank) % 251).astype(np.uint8)
+        got = np.full(sum(parts), 255, np.uint8)
+        list(gatherer.allgatherv(send, got, parts))
+        want = np.empty(sum(parts), np.uint8)
+        world.Allgatherv(send, [want, parts])
+        np.testing.assert_array_equal(got, want, err_msg=f"{layout} {parts}")

@@ -255,9 +255,12 @@ def test_check_build_says_how_cpu_allreduces_travel_with_the_settings_given():
     assert "[x] shared memory inside a node: /dev/shm" in default.stdout, default.stdout
     assert "3 ranks use" in default.stdout and "from 4 MiB up" in default.stdout
     assert "hierarchical allreduce across nodes: off" in default.stdout
-    chosen = launch(["--check-build", "--intra-node", "mpi", "--hierarchical-allreduce"])
+    assert "hierarchical allgather across nodes: off" in default.stdout
+    chosen = launch(["--check-build", "--intra-node", "mpi", "--hierarchical-allreduce",
+                     "--hierarchical-allgather"])
     assert "[ ] shared memory inside a node: off (MPITRAIN_INTRA_NODE=mpi)" in chosen.stdout
     assert "hierarchical allreduce across nodes: on" in chosen.stdout, chosen.stdout
+    assert "hierarchical allgather across nodes: on" in chosen.stdout, chosen.stdout
 
 
 def test_dry_run_prints_the_mpirun_command_with_the_settings(capsys):

@@ -2,7 +2,7 @@
 Open MPI starts a daemon per host and the ranks talk TCP between hosts
 (tests/hosts.py). Topology, every collective, the examples' accuracy, a rank
 dying on one host, mpitrainrun's -H, --hostfile and --network-interface, and
-host allreduces with and without the hierarchical allreduce."""
+host allreduces and allgathers with and without their hierarchical forms."""
 
 import json
 import os
@@ -237,3 +237,45 @@ def test_hierarchical_allreduce_on_uneven_hosts_warns_and_uses_mpi(hosts):
     warned = re.findall(rf"^\[\d+,(\d+)\]<stderr>: .*{re.escape(why)}", job.stderr,
                         flags=re.M)
     assert warned == ["0"], job.stderr[-3000:]
+
+
+def gathers(stdout):
+    """How each rank of multihost_allgather.py says its allgathers travel, and
+    whether every rank found its results right."""
+    said = dict(re.findall(rf"^{TAG}GATHER (\d+): (.*)$", stdout, flags=re.M))
+    right = sorted(re.findall(r"allgathers right on rank (\d)", stdout))
+    return [said.get(str(rank)) for rank in range(4)], right == list("0123")
+
+
+# (hosts' layout, how mpirun places ranks, what mpirun forwards, the route)
+GATHERS = {
+    "flat": ((2, 2), "slot", {}, "MPI"),
+    "hierarchical": ((2, 2), "slot", {"MPITRAIN_HIERARCHICAL_ALLGATHER": "1"},
+                     "hierarchical"),
+    # ranks 0 and 2 on one host, 1 and 3 on the other: the nodes' parts
+    # arrive in another order than the ranks'
+    "hierarchical, alternating hosts": ((2, 2), "node",
+                                        {"HOROVOD_HIERARCHICAL_ALLGATHER": "1"},
+                                        "hierarchical"),
+    "hierarchical, uneven hosts": ((3, 1), "slot", {"MPITRAIN_HIERARCHICAL_ALLGATHER": "1"},
+                                   "hierarchical"),
+}
+
+
+@pytest.mark.parametrize("case", list(GATHERS))
+def test_allgathers_match_with_and_without_hierarchical(hosts, case):
+    layout, mapping, env, route = GATHERS[case]
+    forwarded = [flag for name in env for flag in ("-x", name)]
+    command = [MPIRUN, "-np", "4", "-H", hosts.spec(*layout), "--map-by", mapping,
+               *forwarded, sys.executable, os.path.join(SCRIPTS, "multihost_allgather.py")]
+    said, right = gathers(succeeded(run(command, hosts, timeout=120, env=env)))
+    assert said == [route] * 4, said
+    assert right
+
+
+def test_launcher_flag_turns_hierarchical_allgather_on_on_every_host(hosts):
+    command = [LAUNCHER, "-np", "4", "-H", hosts.spec(2, 2), "--hierarchical-allgather",
+               sys.executable, os.path.join(SCRIPTS, "multihost_allgather.py")]
+    stdout = succeeded(run(command, hosts, timeout=120,
+                           env={"MPITRAIN_HIERARCHICAL_ALLGATHER": "0"}))
+    assert gathers(stdout) == (["hierarchical"] * 4, True), stdout[-3000:]

@@ -29,6 +29,7 @@ class Config:
     gpu_operations: str = "auto"           # device allreduces over nccl, mpi, or auto
     intra_node: str = "auto"               # host allreduces inside a node: shm, mpi, or auto
     hierarchical_allreduce: bool = False   # reduce inside nodes, then across them
+    hierarchical_allgather: bool = False   # gather inside nodes, then across them
     explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
 
 
@@ -106,6 +107,7 @@ _VARIABLES = {
                        "auto, mpi or nccl"),
     "intra_node": ("INTRA_NODE", _choice("auto", "shm", "mpi"), "auto, shm or mpi"),
     "hierarchical_allreduce": ("HIERARCHICAL_ALLREDUCE", _flag, "0 or 1"),
+    "hierarchical_allgather": ("HIERARCHICAL_ALLGATHER", _flag, "0 or 1"),
 }
 
 
@@ -114,7 +116,8 @@ _VARIABLES = {
 # transports. A rank with another value would not hang politely: it would
 # pair mismatched MPI calls.
 MUST_AGREE = ("fusion_threshold", "chunk_size", "cache_capacity", "elastic_reset_limit",
-              "gpu_operations", "intra_node", "hierarchical_allreduce")
+              "gpu_operations", "intra_node", "hierarchical_allreduce",
+              "hierarchical_allgather")
 
 
 def disagreement(configs):

@@ -1,10 +1,12 @@
-"""How the job-wide set's host (CPU) allreduces travel: MPI, shared memory, or
-hierarchically, chosen once at init from the topology and the settings.
+"""How the job-wide set's host (CPU) allreduces and allgathers travel: MPI,
+shared memory, or hierarchically, chosen once at init from the topology and
+the settings.
 
 Inside one node, a shared-memory segment beats MPI's allreduce on large
 buffers (MPI's single-copy transfers still win on small ones). Across nodes,
-MPITRAIN_HIERARCHICAL_ALLREDUCE reduces inside each node first. Process sets
-other than the job-wide one always use MPI's allreduce: their calls must not
+MPITRAIN_HIERARCHICAL_ALLREDUCE reduces inside each node first, and
+MPITRAIN_HIERARCHICAL_ALLGATHER gathers inside each node first. Process sets
+other than the job-wide one always use MPI's collectives: their calls must not
 block (mpitrain.transport.channel), and a segment per set would cost memory.
 """
 
@@ -12,7 +14,8 @@ import dataclasses
 import logging
 import os
 
-from mpitrain.transport.hierarchical import HierarchicalAllreduce, MpiInsideNode
+from mpitrain.transport.hierarchical import (
+    HierarchicalAllgather, HierarchicalAllreduce, MpiInsideNode)
 from mpitrain.transport.shm import (
     DEFAULT_CHUNK_BYTES, SEGMENT_DIRECTORY, SharedMemoryAllreduce,
     SharedMemoryUnavailable, free_bytes, segment_bytes)
@@ -29,9 +32,13 @@ class HostRoute:
     reducer: object = None     # .allreduce(buffer, op, fill, after) generator; None: MPI's
     min_bytes: int = 0         # smaller buffers take MPI's allreduce
     description: str = "MPI's allreduce"
+    gatherer: object = None    # .allgatherv(send, receive, counts); None: MPI's
 
     def takes(self, buffer):
         return self.reducer is not None and buffer.nbytes >= self.min_bytes
+
+    def gathers(self, total_bytes):
+        return self.gatherer is not None and self.gatherer.takes(total_bytes)
 
     def close(self):
         if self.reducer is not None:
@@ -44,6 +51,15 @@ class IntraNodeError(RuntimeError):
 
 def choose(topology, config):
     """The job's HostRoute; collective over the job's ranks, same on every rank."""
+    route = _allreduce_route(topology, config)
+    # several nodes: local_size < size is alike on every rank, cross_size is not
+    if topology.local_size < topology.size and config.hierarchical_allgather:
+        route.gatherer = HierarchicalAllgather(topology.comm, topology.local_comm,
+                                               topology.cross_comm)
+    return route
+
+
+def _allreduce_route(topology, config):
     if topology.size == 1:
         return HostRoute(description="one rank: nothing to move")
     if topology.local_size == topology.size:        # alike on every rank, unlike cross_size
@@ -98,7 +114,10 @@ def describe_this_host(config, ranks=2):
     return [_shared_memory_here(config, ranks),
             "hierarchical allreduce across nodes: "
             + ("on" if config.hierarchical_allreduce
-               else "off (MPITRAIN_HIERARCHICAL_ALLREDUCE=1 turns it on)")]
+               else "off (MPITRAIN_HIERARCHICAL_ALLREDUCE=1 turns it on)"),
+            "hierarchical allgather across nodes: "
+            + ("on" if config.hierarchical_allgather
+               else "off (MPITRAIN_HIERARCHICAL_ALLGATHER=1 turns it on)")]
 
 
 def _shared_memory_here(config, ranks):
