@@ -20,9 +20,9 @@ from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveNotImplementedError
-from mpitrain.ops import Adasum, Average, resolve_op
+from mpitrain.ops import Adasum, Average, Sum, resolve_op
 from mpitrain.torch import buckets
-from mpitrain.torch.compression import Compression
+from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
                                 sparse_allreduce_async)
 
@@ -33,7 +33,6 @@ class _DistributedOptimizer:
     def _start_distributing(self, named_parameters, compression,
                             backward_passes_per_step, op, gradient_predivide_factor,
                             groups, sparse_as_dense, process_set, overlap):
-        self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
         if op == Average:
@@ -46,6 +45,12 @@ class _DistributedOptimizer:
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
+        # Parameters whose compressor moves them itself travel alone.
+        self._compression, self._compressor_of = choice.split(
+            compression, self._trained, self._names)
+        if self._compressor_of and op not in (Average, Sum):
+            raise ValueError("compressors such as Compression.topk sum what they "
+                             f"receive: op must be Average or Sum, got {op.name}")
         # Alone in its set, a rank has nothing to exchange: the average of one
         # gradient is that gradient, so step() costs what the plain one does.
         self._alone = process_set.included() and process_set.size() == 1
@@ -55,7 +60,9 @@ class _DistributedOptimizer:
         self._passes_left = {p: backward_passes_per_step for p in self._trained}
         # A parameter in a group (a tuple) or a bucket travels with the others
         # in it once their gradients have all arrived; the rest travel alone.
-        self._unit_of = _form_groups(self._trained, groups, self._names, process_set)
+        self._unit_of = _form_groups(
+            [p for p in self._trained if p not in self._compressor_of], groups,
+            self._names, process_set)
         self._arrived = dict.fromkeys(set(self._unit_of.values()), 0)
         self._buckets = None        # formed after the first synchronize
         self._pending = {}          # parameter, group or bucket -> (handle, write back)
@@ -116,6 +123,8 @@ class _DistributedOptimizer:
 
     def _submit(self, p):
         """Start reducing p.grad; returns (handle, write back of the result)."""
+        if p in self._compressor_of:
+            return self._submit_compressed(p)
         if _gradient_of(p).is_sparse and not self._sparse_as_dense:
             handle = sparse_allreduce_async(p.grad, self._names[p], self._op,
                                             self._process_set)
@@ -124,6 +133,18 @@ class _DistributedOptimizer:
         handle = allreduce_async_(tensor, None, self._names[p], self._op, *self._scale,
                                   self._process_set)
         return handle, lambda result: self._write_back(p, result, ctx)
+
+    def _submit_compressed(self, p):
+        """p.grad through its compressor's own exchange (summed, then averaged here)."""
+        grad = _gradient_of(p)
+        exchange = self._compressor_of[p].start(grad.to_dense() if grad.is_sparse else grad,
+                                                self._names[p], self._process_set)
+        divisor = self._process_set.size() if self._op == Average else 1
+
+        def write_back(total):
+            self._write_back(p, total.div_(divisor) if divisor != 1 else total, None)
+
+        return exchange, write_back
 
     def _submit_group(self, group):
         for p in group:
@@ -202,6 +223,7 @@ class _DistributedOptimizer:
         sparse. Rank 0's plan is followed.
         """
         candidates = [p for p in self._trained if p not in self._unit_of
+                      and p not in self._compressor_of
                       and not p.grad.is_sparse and buckets.small(p)]
         threshold = basics.engine().config.fusion_threshold
         plan = broadcast_object(
@@ -316,6 +338,25 @@ class _DistributedOptimizer:
                 "after step(); to skip a step whose backward failed, call "
                 "optimizer.drop_step().")
         return super().zero_grad(set_to_none)
+
+    def state_dict(self):
+        """The wrapped optimizer's, and the compressors' (residuals, PowerSGD's Q)."""
+        state = super().state_dict()
+        compression = choice.state(self._compressor_of, self._names,
+                                   self._process_set.rank())
+        if compression is not None:
+            state["compression"] = compression
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Residuals come back only on the rank that saved them (see
+        docs/compression.md); the rest of the state on every rank."""
+        compression = state_dict.get("compression")
+        super().load_state_dict({key: value for key, value in state_dict.items()
+                                 if key != "compression"})
+        if compression is not None:
+            choice.load(self._compressor_of, self._names, compression,
+                        self._process_set.rank())
 
     def add_param_group(self, param_group):
         raise ValueError(
@@ -436,7 +477,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
 
     named_parameters: (name, parameter) pairs naming every parameter; the
         names match gradients across ranks (by position otherwise).
-    compression: Compression.none, .fp16 or .bf16, for the gradients on the wire.
+    compression: Compression.none, .fp16 or .bf16 (a cast for the wire), or
+        Compression.topk, .onebit, .int8, .int4 or .powersgd (which leave
+        parameters of one dimension or few elements uncompressed), or a
+        choice per parameter: a dict of names, or a function of (name,
+        parameter), giving one of the latter or None. See docs/compression.md.
     backward_passes_per_step: backward passes accumulated locally before
         the gradients are reduced.
     op: Average (default) or Sum; gradient_predivide_factor f divides

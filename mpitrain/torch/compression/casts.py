@@ -1,4 +1,4 @@
-"""Gradient compression: cast floating tensors to 16 bits for the wire.
+"""Horovod's compressors: cast floating tensors to 16 bits for the wire.
 
 The core reduces 16-bit floats in float32 and rounds once, so compression
 halves the bytes moved without accumulating rounding error across ranks.
@@ -54,10 +54,3 @@ class FP16Compressor(_caster(torch.float16)):
 class BF16Compressor(_caster(torch.bfloat16)):
     """Sends floating tensors as bfloat16 (float32's range, 8 bits of mantissa)."""
 
-
-class Compression:
-    """The compressors to pass as ``compression=``."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor

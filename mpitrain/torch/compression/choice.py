@@ -1,0 +1,58 @@
+"""Which parameters a DistributedOptimizer compresses, and with what."""
+
+from mpitrain.torch.compression.base import GradientCompressor
+from mpitrain.torch.compression.casts import NoneCompressor
+
+
+def split(compression, parameters, names):
+    """(the Horovod compressor of the fused allreduces, {parameter: GradientCompressor}).
+
+    ``compression`` is a Horovod compressor (all parameters, fused), a
+    GradientCompressor (the parameters it ``applies_to``; the rest go
+    uncompressed), or a choice per parameter: a dict of names or a function
+    of (name, parameter), giving a GradientCompressor or None (uncompressed).
+    """
+    if isinstance(compression, GradientCompressor):
+        return NoneCompressor, {p: compression for p in parameters
+                                if compression.applies_to(p)}
+    if isinstance(compression, dict):
+        unknown = set(compression) - {names[p] for p in parameters}
+        if unknown:
+            raise ValueError(f"compression names {', '.join(sorted(unknown))}, which "
+                             "the optimizer does not train")
+        return NoneCompressor, _chosen(parameters, names,
+                                       lambda name, p: compression.get(name))
+    if callable(compression) and not isinstance(compression, type):
+        return NoneCompressor, _chosen(parameters, names, compression)
+    return compression, {}
+
+
+def _chosen(parameters, names, choose):
+    chosen = {}
+    for p in parameters:
+        compressor = choose(names[p], p)
+        if compressor is None or compressor is NoneCompressor:
+            continue
+        if not isinstance(compressor, GradientCompressor):
+            raise ValueError(
+                f"compression chose {compressor!r} for '{names[p]}': a choice per "
+                "parameter is Compression.topk, .onebit, .int8, .int4, .powersgd "
+                "(or another GradientCompressor) or None for uncompressed")
+        chosen[p] = compressor
+    return chosen
+
+
+def state(chosen, names, rank):
+    """What the optimizer's state_dict keeps for its compressors (None if nothing)."""
+    parameters = {names[p]: compressor.state(names[p])
+                  for p, compressor in chosen.items()}
+    parameters = {name: value for name, value in parameters.items() if value}
+    return {"rank": rank, "parameters": parameters} if parameters else None
+
+
+def load(chosen, names, saved, rank):
+    """Take back ``state``'s result; residuals only when this rank saved them."""
+    for p, compressor in chosen.items():
+        value = saved["parameters"].get(names[p])
+        if value is not None:
+            compressor.load_state(names[p], value, own=saved["rank"] == rank)
