@@ -32,7 +32,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_the_extras_the_commands_install_exist():
-    for command in readme_commands()[:2]:
+    for command in readme_commands():
         for extras in re.findall(r"-e '\.\[([\w,-]+)\]'", command):
             assert set(extras.split(",")) <= installed_extras(), extras
 

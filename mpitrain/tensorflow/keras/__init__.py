@@ -19,6 +19,9 @@ from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer, PartialDis
 from mpitrain.tensorflow.keras.saving import load_model
 from mpitrain.tensorflow.keras.variables import broadcast_global_variables
 from mpitrain import horovod_names as _horovod_names
+from mpitrain.tensorflow.keras import keras2_calls as _keras2_calls
+
+_keras2_calls.accept_horovods_compile_arguments()
 
 _IN_TENSORFLOW = "is not in Horovod's Keras module either: use mpitrain.tensorflow's"
 __getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow.keras", missing={

@@ -1,0 +1,96 @@
+"""A Horovod user's first day: mpitrainrun runs `python` from its own
+environment when none is activated and quiets TensorFlow's start-up lines;
+--check-build suggests the versions the README pins; Horovod's TF2 elastic
+names and Keras 2 era calls work on Keras 3 with mpitrain's optimizer."""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain.launcher import check_build, run
+from tests.mpi_harness import ROOT, job_environment, mpi_test
+
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+def readme():
+    with open(os.path.join(ROOT, "README.md")) as page:
+        return page.read()
+
+
+def test_mpitrainrun_runs_a_plain_python_of_its_environment_when_none_is_activated():
+    path = os.pathsep.join(folder for folder in os.environ["PATH"].split(os.pathsep)
+                           if folder != VENV_BIN and os.path.isdir(folder))
+    job = subprocess.run(
+        [os.path.join(VENV_BIN, "mpitrainrun"), "-np", "2", "python",
+         "examples/numpy_softmax_regression.py"],
+        cwd=ROOT, env={**job_environment(), "PATH": path},
+        capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert "weights identical on all 2 ranks: True" in job.stdout
+
+
+def test_the_ranks_get_tensorflows_log_level_unless_the_user_set_one(capsys):
+    environ = {k: v for k, v in job_environment().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    assert run.main(["--dry-run", "-np", "2", "python", "train.py"], environ) == 0
+    assert "TF_CPP_MIN_LOG_LEVEL=2 " in capsys.readouterr().out
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    assert run.main(["--dry-run", "-np", "2", "python", "train.py"], environ) == 0
+    assert "TF_CPP_MIN_LOG_LEVEL" not in capsys.readouterr().out
+
+
+def test_check_build_suggests_the_versions_the_readme_installs():
+    text = readme()
+    for install in (check_build.INSTALL_TORCH, check_build.INSTALL_TENSORFLOW):
+        package, version = re.search(r"pip install ([\w-]+)==([\d.]+)", install).groups()
+        assert f"{package}=={version}" in text, install
+    assert check_build.INSTALL_TORCH.split("pip ", 1)[1] in text
+    line, _ = check_build._framework("TensorFlow", "no_such_framework", [],
+                                     check_build.INSTALL_TENSORFLOW)
+    assert line.endswith("; pip install tensorflow-cpu==2.21.0"), line
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_horovods_keras2_era_compile_and_variables_calls_work_on_keras3():
+    import keras
+    import mpitrain.tensorflow.keras as hvd
+    keras.utils.set_random_seed(hvd.rank())       # different start on every rank
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse", experimental_run_tf_function=False)
+    x = np.full((4, 3), hvd.rank() + 1.0, np.float32)
+    model.fit(x, np.zeros((4, 2), np.float32), epochs=2, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    kernels = hvd.allgather_object(model.get_weights()[0])
+    assert all(np.array_equal(kernels[0], kernel) for kernel in kernels)
+    assert [v.path for v in opt.variables()] == [v.path for v in opt.variables]
+    assert len(opt.variables()) >= 3                 # iterations, lr, momentum
+    with pytest.raises(TypeError, match="a Keras 2 argument: drop it, or run Keras 2 "
+                       r"with .* TF_USE_LEGACY_KERAS=1"):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      experimental_run_tf_function=False)
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_horovods_tensorflow_elastic_names_restore_and_sync_variables():
+    import tensorflow as tf
+    import mpitrain.tensorflow as hvd
+    weights = tf.Variable([float(hvd.rank())] * 3)
+    state = hvd.elastic.TensorFlowState([weights], batch=0)
+    state.sync()                                       # rank 0's values everywhere
+    assert weights.numpy().tolist() == [0.0] * 3
+    state.commit()
+    weights.assign([5.0] * 3)
+    state.batch = 7
+    state.restore()
+    assert weights.numpy().tolist() == [0.0] * 3 and state.batch == 0
+    assert hvd.elastic.run is __import__(
+        "mpitrain.tensorflow.keras.elastic", fromlist=["run"]).run
+    assert hvd.elastic.TensorFlowKerasState.__name__ == "TensorFlowKerasState"
+    with pytest.raises(ValueError, match="TF1 sessions"):
+        hvd.elastic.TensorFlowState([weights], session=object())
