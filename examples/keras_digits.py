@@ -1,7 +1,7 @@
 """Handwritten digits with Keras model.fit on every rank, through
 mpitrain.tensorflow.keras.
 
-    mpitrainrun -np 2 python examples/keras_digits.py
+    .venv/bin/mpitrainrun -np 2 python examples/keras_digits.py
 
 scikit-learn ships the data (1797 images of 8x8 pixels), so nothing is
 downloaded. Each rank fits on its own shard of the training images;

@@ -3,7 +3,7 @@
 Every rank trains on its own shard; gradients are averaged with one grouped
 allreduce per step, so every rank keeps identical weights.
 
-    mpitrainrun -np 2 python examples/numpy_softmax_regression.py
+    .venv/bin/mpitrainrun -np 2 python examples/numpy_softmax_regression.py
 """
 
 import numpy as np

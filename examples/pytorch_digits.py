@@ -1,6 +1,6 @@
 """Handwritten digits with PyTorch on every rank, through mpitrain.torch.
 
-    mpitrainrun -np 2 python examples/pytorch_digits.py
+    .venv/bin/mpitrainrun -np 2 python examples/pytorch_digits.py
 
 scikit-learn ships the data (1797 images of 8x8 pixels), so nothing is
 downloaded. Each rank trains on its own shard of the training images;

@@ -1,7 +1,7 @@
 """A PyTorch training script written for Horovod, running on mpitrain with
 nothing changed but the import line.
 
-    mpitrainrun -np 2 python examples/pytorch_horovod_script.py
+    .venv/bin/mpitrainrun -np 2 python examples/pytorch_horovod_script.py
 
 It follows the recipe Horovod's documentation teaches: pin a GPU by local
 rank when there is one, shard the data with DistributedSampler, scale the

@@ -1,7 +1,7 @@
 """Training throughput of a ResNet on random images, in images/sec per rank
 and in total, with mpitrain.torch averaging the gradients.
 
-    mpitrainrun -np 2 python examples/pytorch_synthetic_benchmark.py
+    .venv/bin/mpitrainrun -np 2 python examples/pytorch_synthetic_benchmark.py
 
 The same measurement as Horovod's PyTorch synthetic benchmark: warm-up
 batches, then iterations of several batches each; every figure is the mean

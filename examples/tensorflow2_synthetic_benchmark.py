@@ -2,7 +2,7 @@
 images/sec per rank and in total, with mpitrain.tensorflow averaging the
 gradients of a custom training step.
 
-    mpitrainrun -np 2 python examples/tensorflow2_synthetic_benchmark.py
+    .venv/bin/mpitrainrun -np 2 python examples/tensorflow2_synthetic_benchmark.py
 
 The same measurement as Horovod's TensorFlow 2 synthetic benchmark: a
 tf.function step through DistributedGradientTape, warm-up batches, then
