@@ -44,6 +44,16 @@ def test_pytorch_digits(nprocs):
     assert seconds < TWO_MINUTES
 
 
+def test_pytorch_amp_digits_in_bfloat16_and_the_float16_grad_scaler_recipe():
+    stdout, seconds = run_example(2, "pytorch_amp_digits.py")
+    assert final_accuracy(stdout) >= 0.9
+    assert seconds < TWO_MINUTES
+    # float16 is slow on the CPU: one epoch of few batches runs the recipe.
+    stdout, _ = run_example(2, "pytorch_amp_digits.py", "--dtype", "float16",
+                            "--epochs", "1", "--batch-size", "128")
+    final_accuracy(stdout)
+
+
 def test_keras_digits():
     stdout, seconds = run_example(2, "keras_digits.py")
     assert final_accuracy(stdout) >= 0.9

@@ -9,6 +9,7 @@ check then sees reduced gradients, so every rank makes the same decision.
 """
 
 import functools
+import sys
 
 import keras
 
@@ -36,6 +37,21 @@ class _Distribution:
                                           self.reducer.reduce(summed, variables)))
 
 
+def _refuse_inside_loss_scale_optimizer(optimizer, caller):
+    """A LossScaleOptimizer around a DistributedOptimizer checks each rank's own
+    gradients for an overflow, and a rank that finds one skips the allreduce
+    its peers wait in. The outer optimizer's build() builds this one first."""
+    outer = caller.f_locals.get("self")
+    if isinstance(outer, keras.optimizers.LossScaleOptimizer) \
+            and outer.inner_optimizer is optimizer:
+        raise ValueError(
+            "a LossScaleOptimizer wraps a DistributedOptimizer: each rank would "
+            "check its own gradients for overflow, and a rank that skips the step "
+            "would leave the others waiting in the allreduce. Wrap the other way "
+            "round: hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer"
+            "(optimizer))")
+
+
 def _is_keras3(cls):
     return issubclass(cls, keras.optimizers.Optimizer)
 
@@ -57,7 +73,11 @@ def distributed_class(base):
             return self._mpitrain.apply(
                 self, list(grads), variables,
                 lambda reduced: base.apply(self, reduced, trainable_variables))
-        methods = {"apply": apply}
+
+        def build(self, variables):
+            _refuse_inside_loss_scale_optimizer(self, sys._getframe(1))
+            return base.build(self, variables)
+        methods = {"apply": apply, "build": build}
     elif hasattr(base, "apply_gradients"):
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             grads, variables = zip(*list(grads_and_vars))
