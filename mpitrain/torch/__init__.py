@@ -28,5 +28,6 @@ from mpitrain.torch.ops import (
     grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
     grouped_reducescatter_async, join, reducescatter_async, sparse_allreduce_async)
 from mpitrain.torch.optimizer import DistributedOptimizer
+from mpitrain.torch.sharded_optimizer import ShardedOptimizer
 from mpitrain.torch.sync_batch_norm import SyncBatchNorm
 from mpitrain.version import __version__

@@ -7,6 +7,7 @@ import torch
 
 from mpitrain.api import checkpoint
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from mpitrain.torch.sharded_optimizer import state_on_one_rank
 
 
 def save_checkpoint(path, model, optimizer=None, root_rank=0, **extra):
@@ -15,7 +16,9 @@ def save_checkpoint(path, model, optimizer=None, root_rank=0, **extra):
     The file holds the model's state_dict, the optimizer's, and ``extra``
     (the step, the epoch, RNG states: anything ``torch.load(weights_only=True)``
     reads back; anything else is refused before the file is touched). A
-    crash while saving leaves the previous checkpoint intact.
+    crash while saving leaves the previous checkpoint intact. A
+    ShardedOptimizer's state is gathered on root_rank and saved whole, as
+    its ``optimizer_class`` would save it.
     """
     def serialize():
         state = {"model": model.state_dict(),
@@ -28,7 +31,8 @@ def save_checkpoint(path, model, optimizer=None, root_rank=0, **extra):
             raise TypeError(_why_unloadable(extra)) from error
         return payload
 
-    checkpoint.save_on_root(path, serialize, root_rank)
+    with state_on_one_rank(optimizer, root_rank):
+        checkpoint.save_on_root(path, serialize, root_rank)
 
 
 def load_checkpoint(path, model, optimizer=None, root_rank=0):
@@ -41,17 +45,21 @@ def load_checkpoint(path, model, optimizer=None, root_rank=0):
     the ``extra`` values saved with the checkpoint, or None without one.
     A checkpoint that does not load (corrupt, or of another model or
     optimizer) raises CheckpointError on every rank and changes no rank's
-    model or optimizer.
+    model or optimizer. A ShardedOptimizer's state is first gathered on
+    root_rank, to be put back there if the load fails.
     """
     def restore(payload):
         saved = _deserialized(payload)
         _load_all_or_nothing(model, optimizer, saved)
         return saved["extra"]
 
-    found, extra = checkpoint.read_on_root(path, restore, root_rank)
-    broadcast_parameters(model.state_dict(), root_rank)
-    if optimizer is not None:
-        broadcast_optimizer_state(optimizer, root_rank)
+    # The root's load of a ShardedOptimizer takes its share and keeps the
+    # whole state there for broadcast_optimizer_state to send.
+    with state_on_one_rank(optimizer, root_rank):
+        found, extra = checkpoint.read_on_root(path, restore, root_rank)
+        broadcast_parameters(model.state_dict(), root_rank)
+        if optimizer is not None:
+            broadcast_optimizer_state(optimizer, root_rank)
     return extra if found else None
 
 

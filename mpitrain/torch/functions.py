@@ -7,6 +7,7 @@ from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveValueError
 from mpitrain.torch.ops import broadcast_async_
+from mpitrain.torch.sharded_optimizer import state_on_one_rank
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):
@@ -48,11 +49,13 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
     have not created yet: the whole state_dict travels from the root and is
     loaded elsewhere; if it cannot be loaded on some rank, every rank raises
     CollectiveValueError naming those ranks. ``model`` is accepted for Horovod
-    compatibility.
+    compatibility. A ShardedOptimizer's full state is first gathered on
+    root_rank; each rank keeps its share of it.
     """
     is_root = process_set.rank() == root_rank
-    state = broadcast_object(optimizer.state_dict() if is_root else None, root_rank,
-                             "broadcast_optimizer_state", process_set)
+    with state_on_one_rank(optimizer, root_rank):
+        state = broadcast_object(optimizer.state_dict() if is_root else None, root_rank,
+                                 "broadcast_optimizer_state", process_set)
     failure = problem = None
     if not is_root:
         try:

@@ -1,0 +1,188 @@
+"""ShardedOptimizer (ZeRO-1): trains like DistributedOptimizer with 1/N of the state per rank."""
+
+import io
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpitrain.torch as hvd
+from mpitrain.api.checkpoint import read_payload
+from tests.mpi_harness import mpi_test
+
+torch.set_num_threads(1)
+
+ROWS = 4        # rows per rank
+
+
+def make_model(layers=2, width=8):
+    torch.manual_seed(0)
+    shapes = [6] + [width] * (layers - 1) + [3]
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(shapes, shapes[1:])])
+
+
+def train_step(model, optimizer, step):
+    """One step on this rank's rows of the step's batch."""
+    generator = torch.Generator().manual_seed(step)
+    n, r = hvd.size(), hvd.rank()
+    x, y = torch.randn(n * ROWS, 6, generator=generator), torch.randn(n * ROWS, 3,
+                                                                      generator=generator)
+    optimizer.zero_grad()
+    F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]).backward()
+    optimizer.step()
+
+
+def assert_same_parameters(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_identical_across_ranks(model):
+    mine = [p.detach().numpy().tobytes() for p in model.parameters()]
+    assert all(other == mine for other in hvd.allgather_object(mine)), \
+        "parameters differ between ranks"
+
+
+def assert_same_state(state, reference):
+    assert state["param_groups"] == reference["param_groups"]
+    assert state["state"].keys() == reference["state"].keys()
+    for index, values in reference["state"].items():
+        assert state["state"][index].keys() == values.keys()
+        for key, value in values.items():
+            torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5,
+                                       atol=1e-6, msg=f"state of parameter {index}: {key}")
+
+
+def distributed(model, optimizer_class, **options):
+    return hvd.DistributedOptimizer(optimizer_class(model.parameters(), **options),
+                                    named_parameters=model.named_parameters())
+
+
+def state_bytes(optimizer):
+    return sum(value.nbytes for state in optimizer.state.values()
+               for value in state.values() if torch.is_tensor(value))
+
+
+OPTIMIZERS = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+              (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1))]
+
+
+@mpi_test(np=(2, 3))
+def test_trains_like_distributed_optimizer_for_sgd_momentum_and_adamw():
+    for optimizer_class, options in OPTIMIZERS:
+        model, reference = make_model(3), make_model(3)
+        sharded = hvd.ShardedOptimizer(optimizer_class, model.parameters(), **options)
+        plain = distributed(reference, optimizer_class, **options)
+        for step in range(4):
+            train_step(model, sharded, step)
+            train_step(reference, plain, step)
+            assert_same_parameters(model, reference)
+            assert_identical_across_ranks(model)
+
+
+@mpi_test(np=(2, 3))
+def test_each_rank_holds_about_one_nth_of_the_state():
+    model, reference = make_model(layers=13, width=32), make_model(layers=13, width=32)
+    sharded = hvd.ShardedOptimizer(torch.optim.Adam, model.parameters(), lr=0.01)
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    train_step(model, sharded, 0)
+    reference(torch.zeros(1, 6)).sum().backward()
+    plain.step()
+    everyone = hvd.allgather_object(state_bytes(sharded))
+    assert sum(everyone) == state_bytes(plain)
+    assert max(everyone) <= 1.1 * state_bytes(plain) / hvd.size(), everyone
+
+
+@mpi_test(np=(2, 3))
+def test_state_dict_is_the_plain_optimizers_and_loads_back():
+    model, reference = make_model(3), make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    plain = distributed(reference, torch.optim.AdamW, lr=0.01)
+    for step in range(3):
+        train_step(model, sharded, step)
+        train_step(reference, plain, step)
+    state = sharded.state_dict()
+    assert_same_state(state, plain.state_dict())
+    torch.optim.AdamW(make_model(3).parameters()).load_state_dict(state)
+
+    resumed = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.5)
+    resumed.load_state_dict(state)
+    assert resumed.param_groups[0]["lr"] == 0.01
+    for step in range(3, 5):
+        train_step(model, resumed, step)
+        train_step(reference, plain, step)
+        assert_same_parameters(model, reference)
+
+
+@mpi_test(np=(2, 3))
+def test_consolidate_state_dict_gathers_on_one_rank_until_the_next_step():
+    model = make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
+                                   momentum=0.9)
+    train_step(model, sharded, 0)
+    everywhere = sharded.state_dict()
+    sharded.consolidate_state_dict(to=1)
+    if hvd.rank() == 1:
+        assert_same_state(sharded.state_dict(), everywhere)
+    else:
+        with pytest.raises(RuntimeError, match="consolidated on rank 1"):
+            sharded.state_dict()
+    train_step(model, sharded, 1)
+    assert len(sharded.state_dict()["state"]) == len(list(model.parameters()))
+
+
+@mpi_test(np=(2, 3))
+def test_parameter_groups_and_an_lr_scheduler_reach_every_shard():
+    def groups(model):
+        layers = list(model)
+        return [{"params": layers[0].parameters(), "lr": 0.1},
+                {"params": [p for layer in layers[1:] for p in layer.parameters()],
+                 "lr": 0.01, "momentum": 0.5}]
+
+    model, reference = make_model(3), make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.SGD, groups(model), momentum=0.9)
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(groups(reference), momentum=0.9),
+                                     named_parameters=reference.named_parameters())
+    schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+                  for optimizer in (sharded, plain)]
+    for step in range(4):
+        train_step(model, sharded, step)
+        train_step(reference, plain, step)
+        for scheduler in schedulers:
+            scheduler.step()
+        assert_same_parameters(model, reference)
+    assert [g["lr"] for g in sharded.param_groups] == [0.1 / 16, 0.01 / 16]
+
+
+@mpi_test(np=(2, 3))
+def test_save_and_load_checkpoint_resume_the_whole_state():
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    path = os.path.join(directory, "checkpoint.pt")
+    model = make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    for step in range(2):
+        train_step(model, sharded, step)
+    hvd.save_checkpoint(path, model, sharded, step=2)
+    expected = sharded.state_dict()              # collective again after the save
+
+    resumed_model = make_model(3)
+    resumed = hvd.ShardedOptimizer(torch.optim.AdamW, resumed_model.parameters(), lr=0.5)
+    assert hvd.load_checkpoint(path, resumed_model, resumed) == {"step": 2}
+    assert_same_state(resumed.state_dict(), expected)
+    if hvd.rank() == 0:
+        saved = torch.load(io.BytesIO(read_payload(path)), weights_only=True)
+        torch.optim.AdamW(make_model(3).parameters()).load_state_dict(saved["optimizer"])
+    for step in range(2, 4):
+        train_step(model, sharded, step)
+        train_step(resumed_model, resumed, step)
+        assert_same_parameters(resumed_model, model)
+
+
+@mpi_test(np=(2, 3))
+def test_ranks_with_different_models_fail_on_every_rank():
+    model = make_model(3, width=8 if hvd.rank() == 0 else 9)
+    with pytest.raises(ValueError, match=r"ranks \[1.*\] have other parameters than "
+                                         r"rank 0 .*shape \(8, 6\).*shape \(9, 6\)"):
+        hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
