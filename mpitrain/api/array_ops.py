@@ -18,6 +18,7 @@ from mpitrain.engine.entries import Handle
 from mpitrain.engine.handles import GroupHandle, synchronize
 from mpitrain.errors import ERROR_CLASSES
 from mpitrain.ops import Adasum, Average, OpType, ReduceOp, Sum, resolve_op
+from mpitrain.transport import adasum
 
 
 # Module-level names: an enum attribute costs a lookup on every call.
@@ -144,8 +145,7 @@ def _check(controller, handle):
                                f"supports {dtypes.SUPPORTED_NAMES}")
     kind = handle.kind
     if handle.op == Adasum:
-        raise _Problem("notimplemented", "op=Adasum is not implemented in "
-                                         "mpitrain; use Average or Sum")
+        _check_adasum(controller, handle)
     if kind in _NEEDS_A_DIMENSION:
         if handle.input.ndim == 0:
             raise _Problem("value", f"{kind.label} needs an array with at least one "
@@ -173,6 +173,15 @@ def _check(controller, handle):
     if not getattr(output.flags, "writeable", True) and not (kind == BROADCAST
                                            and handle.root == controller.rank):
         raise _Problem("value", "the output array is read-only")
+
+
+def _check_adasum(controller, handle):
+    if handle.dtype.reduce_as.kind != "f":       # bfloat16 is a numpy "V" kind
+        raise _Problem("type", "op=Adasum combines floating-point tensors (float16, "
+                               f"bfloat16, float32, float64), got {handle.dtype.name}")
+    problem = adasum.size_problem(controller.size)
+    if problem:
+        raise _Problem("notimplemented", problem)
 
 
 def _alltoall_splits(array, splits, size):

@@ -17,6 +17,7 @@ from mpitrain.backends import arrays, dtypes
 from mpitrain.engine.recycled import RecycledBuffers
 from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp
+from mpitrain.transport import adasum
 from mpitrain.transport.channel import as_bytes, even_split
 from mpitrain.transport.device import STAGED
 
@@ -183,7 +184,8 @@ class Executor:
                                 _now(backend.pack, sources, group.counts, buffer,
                                      prescale))
         yield from self._traced(names, "MPI_ALLREDUCE",
-                                self._reduce(buffer, first.op, backend))
+                                self._reduce(buffer, first.op, backend,
+                                             counts=group.counts))
         if integer is not None:
             factor = 1.0
             if integer != (1.0, 1):
@@ -237,12 +239,18 @@ class Executor:
         backend.settle()
         self.finish(entry, output)
 
-    def _reduce(self, buffer, op, backend, factor=1.0, fill=None):
+    def _reduce(self, buffer, op, backend, factor=1.0, fill=None, counts=None):
         """Allreduce a 1-D buffer in place across the set, then multiply it by factor.
 
         fill(start, stop, destination), if given, writes the input's elements
-        start:stop into destination first (see Channel.allreduce).
+        start:stop into destination first (see Channel.allreduce). counts:
+        the elements of each tensor in the buffer (Adasum treats each alone;
+        None: the buffer is one tensor).
         """
+        if op == ReduceOp.ADASUM:
+            yield from self._adasum(buffer, backend, factor, fill,
+                                    counts or [buffer.size])
+            return
         scale = None if factor == 1.0 else (
             lambda start, stop: backend.scale_into(buffer[start:stop], factor,
                                                    buffer[start:stop]))
@@ -257,6 +265,18 @@ class Executor:
             yield from self.devices.allreduce(buffer, op, self.channel, backend)
         if scale is not None:
             scale(0, buffer.size)
+
+    def _adasum(self, buffer, backend, factor, fill, counts):
+        """Adasum in host memory: a device buffer is copied there and back."""
+        if fill is not None:
+            fill(0, buffer.size, buffer)
+        if self.channel.size > 1:
+            host = buffer if backend is arrays.HOST else backend.to_numpy(buffer)
+            yield from adasum.allreduce(self.channel, host, counts)
+            if host is not buffer:
+                backend.from_numpy(host, buffer)
+        if factor != 1.0:
+            backend.scale_into(buffer, factor, buffer)
 
     # -- the other collectives, in host memory -----------------------------------
 

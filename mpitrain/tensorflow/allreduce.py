@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.ops import Adasum, OpType, resolve_op
+from mpitrain.ops import OpType, resolve_op
 from mpitrain.tensorflow import primitives
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.primitives import reduce_dense
@@ -26,12 +26,6 @@ def _reduce_with_gradient(tensors, op, prescale_factor, postscale_factor, name,
     return reduce(*tensors)
 
 
-def _check_op(op):
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not implemented in mpitrain; "
-                                  "use Average or Sum")
-
-
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -41,7 +35,6 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     Dense tensors travel together; tf.IndexedSlices travel through allgather.
     """
     op = resolve_op(op, average)
-    _check_op(op)
     results = list(tensors)
     dense = [i for i, t in enumerate(results) if not isinstance(t, tf.IndexedSlices)]
     sparse = [i for i in range(len(results)) if i not in set(dense)]
