@@ -25,9 +25,6 @@ class GradientReducer:
                  gradient_predivide_factor=1.0, num_groups=0, groups=None,
                  process_set=global_process_set, scale_local_gradients=True):
         op = ReduceOp(op)
-        if op == Adasum:
-            raise NotImplementedError("op=Adasum is not implemented in mpitrain; "
-                                      "use Average or Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average, got "
                              f"op={op.name.capitalize()}")
@@ -94,7 +91,10 @@ class GradientReducer:
                 by_dtype.setdefault(array.dtype, []).append(i)
             for dtype, members in by_dtype.items():
                 part = None if name is None else f"{name}.{dtype.name}"
-                packable = dtype in PACKABLE and type(arrays[members[0]]) is np.ndarray
+                # Adasum combines each tensor alone: a packed buffer would hide
+                # where one ends.
+                packable = (dtype in PACKABLE and type(arrays[members[0]]) is np.ndarray
+                            and self.op != Adasum)
                 reduce = self.packed.reduce if packable else allreduce_arrays
                 values = reduce([arrays[i] for i in members], part, self.op, self.prescale,
                                 self.postscale, self.process_set)

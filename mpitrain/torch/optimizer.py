@@ -19,7 +19,6 @@ from mpitrain.api import basics
 from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine.handles import synchronize_all
-from mpitrain.errors import CollectiveNotImplementedError
 from mpitrain.ops import Adasum, Average, Sum, resolve_op
 from mpitrain.torch import buckets
 from mpitrain.torch.compression import Compression, choice
@@ -486,6 +485,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         the gradients are reduced.
     op: Average (default) or Sum; gradient_predivide_factor f divides
         before the sum and multiplies by f/size after (Average only).
+        op=Adasum combines each rank's parameter changes instead
+        (mpitrain.torch.adasum_optimizer, docs/adasum.md).
     groups: a number of groups, or lists of parameters; each group is reduced
         in one grouped call once all its gradients are ready. num_groups is
         the deprecated form.
@@ -501,8 +502,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         raise ValueError("the optimizer is already a DistributedOptimizer")
     op = resolve_op(op, None)
     if op == Adasum:
-        raise CollectiveNotImplementedError(
-            "op=Adasum is not implemented in mpitrain; use Average or Sum")
+        from mpitrain.torch.adasum_optimizer import adasum_optimizer  # it imports this
+        return adasum_optimizer(optimizer, named_parameters, compression,
+                                gradient_predivide_factor, process_set)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor is supported only with op=Average")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:

@@ -14,7 +14,7 @@ import sys
 import keras
 
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.ops import Average, Sum
+from mpitrain.ops import Adasum, Average, Sum
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.gradient_reduction import GradientReducer, local_weights
 from mpitrain.tensorflow.keras.local_aggregation import LocalAggregation
@@ -119,9 +119,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     device_dense and device_sparse are accepted for Horovod compatibility
     and have no effect.
     """
-    if op not in (Average, Sum):
-        raise ValueError(f"DistributedOptimizer supports op=Average and op=Sum, "
-                         f"got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"DistributedOptimizer supports op=Average, op=Sum and "
+                         f"op=Adasum, got {op!r}")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be >= 1, got "
                          f"{backward_passes_per_step}")
