@@ -3,6 +3,7 @@
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 import mpitrain.torch as hvd
 from tests.mpi_harness import mpi_test
 from tests.test_local_sgd import allreduce_rows
+from tests.test_mixed_precision import TF_ENV, keras_modules
 from tests.test_torch_optimizer import (ROWS, assert_identical_across_ranks, batch,
                                         local_gradients, make_model)
 
@@ -72,3 +74,28 @@ def test_step_inside_no_sync_and_nested_no_sync_are_refused():
     F.mse_loss(model(x), y).backward()
     optimizer.step()
     assert_identical_across_ranks(model)
+
+
+@mpi_test(env=TF_ENV, timeout=180)
+def test_keras_backward_passes_per_step_sends_only_on_the_last_micro_batch():
+    tf, keras, hvd_keras = keras_modules()
+    passes, steps = 3, 6
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), backward_passes_per_step=passes,
+        average_aggregated_gradients=True), loss="mse", jit_compile=False)
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(steps * ROWS, 6)).astype(np.float32)
+    y = rng.normal(size=(steps * ROWS, 3)).astype(np.float32)
+    path = os.path.join(tempfile.gettempdir(), f"mpitrain-keras-passes-{hvd.size()}.json")
+    hvd.start_timeline(path)
+    model.fit(x, y, batch_size=ROWS, epochs=1, shuffle=False, verbose=0)
+    hvd.stop_timeline()
+    assert all(other == [w.tolist() for w in model.get_weights()] for other in
+               hvd.allgather_object([w.tolist() for w in model.get_weights()]))
+    if hvd.rank() == 0:
+        rows = allreduce_rows(path)
+        os.remove(path)
+        # The kernel and the bias, each reduced once per 3 steps.
+        assert len(rows) == 2 and set(rows.values()) == {steps // passes}, rows
