@@ -44,6 +44,18 @@ def test_pytorch_digits(nprocs):
     assert seconds < TWO_MINUTES
 
 
+def test_pytorch_sharded_digits(tmp_path):
+    checkpoint = str(tmp_path / "digits.pt")
+    stdout, seconds = run_example(2, "pytorch_sharded_digits.py", "--checkpoint", checkpoint)
+    assert final_accuracy(stdout) >= 0.9
+    shares = re.search(r"Adam state per rank: (\d+), (\d+) bytes \(of (\d+)\)", stdout)
+    assert shares, stdout[-2000:]
+    first, second, total = map(int, shares.groups())
+    assert 0 < first < total and 0 < second < total     # each rank holds a part only
+    assert os.path.exists(checkpoint)
+    assert seconds < TWO_MINUTES
+
+
 def test_pytorch_amp_digits_in_bfloat16_and_the_float16_grad_scaler_recipe():
     stdout, seconds = run_example(2, "pytorch_amp_digits.py")
     assert final_accuracy(stdout) >= 0.9
