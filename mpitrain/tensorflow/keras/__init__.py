@@ -5,15 +5,16 @@ Works with Keras 3 (TensorFlow 2.16+) and with tf_keras (TF_USE_LEGACY_KERAS=1).
 
 from mpitrain.tensorflow import (
     Adasum, Average, Compression, HorovodInternalError, Max, Min, Product, ProcessSet,
-    Sum, add_process_set, allgather, allgather_object, allreduce, broadcast,
-    broadcast_object, broadcast_variables, ccl_built, cross_rank, cross_size, cuda_built,
-    ddl_built, global_process_set, gloo_built, gloo_enabled, grouped_allgather,
-    grouped_allreduce, init, is_homogeneous, is_initialized, join, local_rank,
-    local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
-    reducescatter, remove_process_set, rocm_built, shutdown, size, start_timeline,
-    stop_timeline)
+    Sum, add_process_set, allgather_object, broadcast_object, broadcast_variables,
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, global_process_set,
+    gloo_built, gloo_enabled, grouped_allgather, grouped_allreduce, init,
+    is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built,
+    mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
+    rocm_built, shutdown, size, start_timeline, stop_timeline)
 from mpitrain.api.checkpoint import CheckpointError
 from mpitrain.tensorflow.keras import callbacks, elastic
+from mpitrain.tensorflow.keras.collectives import (
+    allgather, allreduce, broadcast, reducescatter)
 from mpitrain.tensorflow.keras.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.tensorflow.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from mpitrain.tensorflow.keras.saving import load_model
