@@ -31,3 +31,9 @@ from mpitrain.torch.optimizer import DistributedOptimizer
 from mpitrain.torch.sharded_optimizer import ShardedOptimizer
 from mpitrain.torch.sync_batch_norm import SyncBatchNorm
 from mpitrain.version import __version__
+from mpitrain import horovod_names as _horovod_names
+
+__getattr__ = _horovod_names.module_getattr(__name__, "horovod.torch", missing={
+    "mpi_ops": "is not a module here: its functions are in mpitrain.torch itself",
+    "run": "is horovod.run, which is mpitrain.run",
+})
