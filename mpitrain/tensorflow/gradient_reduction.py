@@ -4,9 +4,9 @@ import numpy as np
 import tensorflow as tf
 
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.ops import Adasum, Average, ReduceOp
+from mpitrain.ops import Adasum, Average, ReduceOp, Sum
 from mpitrain.tensorflow import graph_op
-from mpitrain.tensorflow.compression import Compression
+from mpitrain.tensorflow.compression import Compression, choice
 from mpitrain.tensorflow.packed import PACKABLE, PackedReducer
 from mpitrain.tensorflow.primitives import allreduce_arrays
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
@@ -33,7 +33,11 @@ class GradientReducer:
         if isinstance(groups, int) and groups < 0:
             raise ValueError(f"groups must be a number >= 0 or lists of variables, "
                              f"got {groups}")
-        self.compression = compression
+        # choose(name, shape): the compressor that moves a gradient itself, or None.
+        self.compression, self.choose = choice.split(compression)
+        if self.choose is not None and op not in (Average, Sum):
+            raise ValueError("compressors such as Compression.topk sum what they "
+                             f"receive: op must be Average or Sum, got {op.name}")
         self.sparse_as_dense = sparse_as_dense
         self.op = op
         # Dividing before the sum keeps large fp16 sums in range; Average
@@ -72,6 +76,7 @@ class GradientReducer:
                                                       self.process_set)
             else:
                 dense.append(i)
+        dense = [i for i in dense if not self._compressed(i, gradients, variables, results)]
         for members in self._split(dense, variables):
             compressed = [self.compression.compress(tf.convert_to_tensor(gradients[i]))
                           for i in members]
@@ -79,6 +84,30 @@ class GradientReducer:
             for i, value, (_, context) in zip(members, reduced, compressed):
                 results[i] = self.compression.decompress(value, context)
         return results
+
+    def _compressed(self, i, gradients, variables, results):
+        """Reduce gradient i through its compressor, if one is chosen for it."""
+        if self.choose is None:
+            return False
+        gradient = tf.convert_to_tensor(gradients[i])
+        variable = None if variables is None else variables[i]
+        name = getattr(variable, "path", None) or getattr(variable, "name", None) \
+            or f"gradient.{i}"
+        if not gradient.shape.is_fully_defined():
+            return False
+        compressor = self.choose(name, gradient.shape)
+        if compressor is None:
+            return False
+        divisor = self.process_set.size() if self.op == Average else 1
+        # Unnamed tf.Variables share a name: the position keeps their state apart.
+        key = f"{i}.{name}"
+
+        def body(arrays):
+            total, _ = compressor.exchange(arrays[0], key, self.process_set)
+            return [(total / divisor).astype(arrays[0].dtype)]
+        results[i] = graph_op.run(body, [gradient], [gradient.dtype], [gradient.shape],
+                                  "compressed allreduce")[0]
+        return True
 
     def _reduce_group(self, tensors):
         """One op; float32/float64 gradients go through packed buffers, one per dtype."""

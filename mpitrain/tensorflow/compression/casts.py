@@ -1,4 +1,4 @@
-"""Gradient compression: cast floating-point tensors to 16 bits for the wire."""
+"""Horovod's compressors: cast floating-point tensors to 16 bits for the wire."""
 
 import tensorflow as tf
 
@@ -40,10 +40,3 @@ class FP16Compressor(_cast_compressor(tf.float16)):
 class BF16Compressor(_cast_compressor(tf.bfloat16)):
     """Sends floating-point tensors as bfloat16: float32's range, 8 bits of mantissa."""
 
-
-class Compression:
-    """The compressors, as Horovod names them: Compression.none, .fp16, .bf16."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor

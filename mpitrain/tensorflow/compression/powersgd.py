@@ -1,0 +1,47 @@
+"""PowerSGD on numpy arrays (see mpitrain/torch/compression/powersgd.py)."""
+
+import numpy as np
+
+import mpitrain as mt
+from mpitrain.ops import Sum
+from mpitrain.tensorflow.compression.gathered import DEFAULT_MIN_ELEMENTS, GradientCompressor
+
+
+class PowerSGD(GradientCompressor):
+    """Two factors of ``rank`` columns, summed by two allreduces; Q warm-starts."""
+
+    def __init__(self, rank=4, min_elements=DEFAULT_MIN_ELEMENTS, seed=0):
+        super().__init__(min_elements)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"powersgd takes a rank >= 1, got {rank!r}")
+        self.rank = rank
+        self.seed = seed
+        self.q = {}
+
+    def _start_q(self, name, matrix):
+        rows, columns = matrix.shape
+        q = self.q.get(name)
+        if q is None or q.shape[0] != columns:
+            q = np.random.default_rng(self.seed).standard_normal(
+                (columns, min(self.rank, rows, columns)))
+        return q.astype(matrix.dtype)
+
+    def compress(self, array, name=None):
+        matrix = array.reshape(array.shape[0], -1)
+        p = np.linalg.qr(matrix @ self._start_q(name, matrix))[0]
+        return (p, matrix.T @ p), array.shape
+
+    def decompress(self, payload, context):
+        p, q = payload
+        return (p @ q.T).reshape(context)
+
+    def exchange(self, array, name, process_set):
+        matrix = array.reshape(array.shape[0], -1)
+        p = mt.allreduce(matrix @ self._start_q(name, matrix), name=f"{name}.PowerSGD.P",
+                         op=Sum, process_set=process_set)
+        p = np.linalg.qr(p)[0]
+        q = matrix.T @ p
+        self.bytes_sent += p.nbytes + q.nbytes
+        self.q[name] = mt.allreduce(q, name=f"{name}.PowerSGD.Q", op=Sum,
+                                    process_set=process_set)
+        return (p @ self.q[name].T).reshape(array.shape), (p @ q.T).reshape(array.shape)

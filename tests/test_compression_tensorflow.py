@@ -1,0 +1,94 @@
+"""TensorFlow/Keras gradient compressors: the torch ones' math, and training on 2 and 3 ranks."""
+
+import numpy as np
+import pytest
+
+from tests.mpi_harness import mpi_test
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+import mpitrain.tensorflow as hvd_tf  # noqa: E402
+import mpitrain.tensorflow.keras as hvd  # noqa: E402
+from tests.keras_models import make_model  # noqa: E402
+from tests.test_keras_training import (BATCH, TF_ENV, assert_close,  # noqa: E402
+                                       assert_same_on_every_rank, dataset, one_thread,
+                                       reference_weights, shard)
+
+
+def test_the_numpy_compressors_round_trip_like_the_torch_ones():
+    torch = pytest.importorskip("torch")
+    import mpitrain.torch as hvd_torch
+    x = np.random.default_rng(0).standard_normal((37, 29)).astype(np.float32)
+    for make in ("topk", "onebit", "int8", "int4"):
+        arguments = (0.1,) if make == "topk" else (16,)
+        ours = getattr(hvd_tf.Compression, make)(*arguments, error_feedback=False)
+        theirs = getattr(hvd_torch.Compression, make)(*arguments, error_feedback=False)
+        got = ours.decompress(*ours.compress(x))
+        want = theirs.decompress(*theirs.compress(torch.from_numpy(x))).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=make)
+        assert sum(p.nbytes for p in ours.compress(x)[0]) == \
+            sum(p.numel() * p.element_size() for p in theirs.compress(torch.from_numpy(x))[0])
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_keras_fit_with_topk_of_every_entry_equals_one_process():
+    one_thread()
+    steps = 3
+    x, y = dataset(steps)
+    expected = reference_weights(x, y, 1, keras.optimizers.SGD(0.1), steps)
+    model = make_model(0)
+    topk = hvd.Compression.topk(1.0, min_elements=0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                     compression=topk),
+                  loss="mse", jit_compile=False)
+    model.fit(shard(x, steps), shard(y, steps), batch_size=BATCH, epochs=1,
+              shuffle=False, verbose=0)
+    assert_same_on_every_rank(model.get_weights())
+    assert_close(model.get_weights(), expected)
+    assert topk.bytes_sent > 0      # the kernels went through it, not the allreduce
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_gradient_tape_with_each_compressor_keeps_ranks_together():
+    one_thread()
+    steps = 3
+    x, y = dataset(steps)
+    xs, ys = shard(x, steps), shard(y, steps)
+    for make in ("topk", "onebit", "int8", "int4", "powersgd"):
+        compressor = getattr(hvd_tf.Compression, make)(min_elements=0) if make != "topk" \
+            else hvd_tf.Compression.topk(0.25, min_elements=0)
+        model = make_model(0)
+        start = model.get_weights()
+        optimizer = keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(features) - labels) ** 2)
+            tape = hvd_tf.DistributedGradientTape(tape, compression=compressor)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        for i in range(steps):
+            step(xs[i * BATCH:(i + 1) * BATCH], ys[i * BATCH:(i + 1) * BATCH])
+        assert_same_on_every_rank(model.get_weights())
+        assert all(not np.array_equal(a, b) for a, b in zip(model.get_weights(), start))
+        # Error feedback keeps a residual for the two kernels; biases (1-D) go uncompressed.
+        assert len(compressor.residuals) == 2, (make, sorted(compressor.residuals))
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_error_feedback_carries_every_residual_into_the_next_step():
+    for make in ("topk", "onebit", "int8", "int4", "powersgd"):
+        compressor = getattr(hvd_tf.Compression, make)(min_elements=0) if make != "topk" \
+            else hvd_tf.Compression.topk(0.1, min_elements=0)
+        gradients = [np.random.default_rng(10 * step + hvd.rank()).standard_normal((12, 10))
+                     .astype(np.float32) for step in range(3)]
+        sent = np.zeros((12, 10), np.float32)
+        for gradient in gradients:
+            before = compressor.residuals.get("w", 0)
+            _, mine = compressor.exchange(gradient, "w", hvd_tf.global_process_set)
+            np.testing.assert_array_equal(compressor.residuals["w"], gradient + before - mine)
+            sent += mine
+        np.testing.assert_allclose(sent + compressor.residuals["w"], sum(gradients),
+                                   rtol=1e-5, atol=1e-5, err_msg=make)
