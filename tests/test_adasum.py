@@ -242,9 +242,32 @@ def test_torch_optimizer_combines_each_ranks_step():
         for (name, p), w in zip(model.named_parameters(), want):
             np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-5, atol=1e-6,
                                        err_msg=f"step {step}: {name}")
+    # The changes may travel as float16 (Horovod's example does so with Adasum).
+    compressed = torch_model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(compressed.parameters(), lr=0.1), op=hvd.Adasum,
+        named_parameters=[(f"fp16.{name}", p) for name, p in compressed.named_parameters()],
+        compression=hvd.Compression.fp16)
+    changes = []
+    for r, replica in enumerate(replicas):
+        replica.load_state_dict(compressed.state_dict())
+        replica.zero_grad()
+        torch.nn.functional.mse_loss(replica(torch_batch(r, 0)[0]), torch_batch(r, 0)[1]).backward()
+        changes.append([-0.1 * p.grad.numpy().astype(np.float16).astype(np.float64)
+                        for p in replica.parameters()])
+    want = [p.detach().numpy() + reference([c[i] for c in changes]).reshape(p.shape)
+            for i, p in enumerate(compressed.parameters())]
+    x, y = torch_batch(hvd.rank(), 0)
+    torch.nn.functional.mse_loss(compressed(x), y).backward()
+    optimizer.step()
+    for p, w in zip(compressed.parameters(), want):
+        np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  op=hvd.Adasum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="Compression.none, .fp16 or .bf16"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 op=hvd.Adasum, compression=hvd.Compression.topk(0.1))
 
 
 @mpi_test(np=(2,), timeout=60)       # the 4-rank tree is the core's: tested above

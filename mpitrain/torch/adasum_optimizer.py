@@ -17,7 +17,7 @@ import torch
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.ops import Adasum
-from mpitrain.torch.compression import Compression
+from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import allreduce_async_
 from mpitrain.torch.optimizer import _parameter_names
 
@@ -26,11 +26,18 @@ class _AdasumOptimizer:
     """Mixed in before the wrapped optimizer's class; see adasum_optimizer."""
 
     def _start_adasum(self, named_parameters, compression, process_set):
-        self._compression = compression
         self._process_set = process_set
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
+        fused, _ = choice.split(compression, self._trained, self._names)
+        if fused is not compression:
+            raise ValueError(
+                "op=Adasum combines the parameters' changes in fused allreduces: "
+                "compression must be Compression.none, .fp16 or .bf16, not a "
+                "compressor that moves gradients itself (topk, onebit, int8, int4, "
+                "powersgd) or a choice per parameter")
+        self._compression = compression
 
     def synchronize(self):
         """Nothing to wait for: the parameters' changes travel in step()."""
