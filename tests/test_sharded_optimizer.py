@@ -83,6 +83,27 @@ def test_trains_like_distributed_optimizer_for_sgd_momentum_and_adamw():
 
 
 @mpi_test(np=(2, 3))
+def test_step_evaluates_a_closure_once_and_returns_its_loss():
+    model, reference = make_model(3), make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    plain = distributed(reference, torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(ROWS, 6), torch.randn(ROWS, 3)
+    calls = []
+
+    def closure(net, optimizer):
+        calls.append(net)
+        optimizer.zero_grad()
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    loss = sharded.step(lambda: closure(model, sharded))
+    plain.step(lambda: closure(reference, plain))
+    assert calls == [model, reference] and torch.is_tensor(loss)
+    assert_same_parameters(model, reference)
+
+
+@mpi_test(np=(2, 3))
 def test_each_rank_holds_about_one_nth_of_the_state():
     model, reference = make_model(layers=13, width=32), make_model(layers=13, width=32)
     sharded = hvd.ShardedOptimizer(torch.optim.Adam, model.parameters(), lr=0.01)
