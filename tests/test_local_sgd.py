@@ -4,6 +4,7 @@ import json
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import mpitrain.torch as hvd
 from mpitrain.torch.local_sgd import AVERAGE_NAME
 from tests.mpi_harness import mpi_test
+from tests.test_mixed_precision import TF_ENV, keras_modules
 from tests.test_torch_optimizer import (ROWS, assert_close, assert_identical_across_ranks,
                                         batch, make_model)
 
@@ -142,3 +144,51 @@ def test_bad_period_and_warmup_are_refused():
             hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), period=bad)
     with pytest.raises(ValueError, match="warmup_steps must be"):
         hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), warmup_steps=-1)
+
+
+@mpi_test(env=TF_ENV, timeout=180)
+def test_keras_callback_averages_independent_trainings_every_period_after_warmup():
+    tf, keras, hvd_keras = keras_modules()
+
+    class SameOnEveryRank(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.weights = [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            mine = [w.tolist() for w in self.model.get_weights()]
+            self.seen.append(all(other == mine for other in hvd.allgather_object(mine)))
+            self.weights.append(self.model.get_weights())
+
+    def fit(batches, *callbacks, optimizer=None):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss="mse", jit_compile=False)
+        model.fit(x[:batches * ROWS], y[:batches * ROWS], batch_size=ROWS, epochs=1,
+                  shuffle=False, verbose=0, callbacks=list(callbacks))
+        return model
+
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(4 * ROWS, 6)).astype(np.float32)
+    y = rng.normal(size=(4 * ROWS, 3)).astype(np.float32)
+
+    alone = mean_across_ranks([torch.from_numpy(w) for w in fit(2).get_weights()])
+    def momentum_same_on_every_rank(model):
+        mine = [v.numpy().tolist() for v in model.optimizer.variables if len(v.shape)]
+        return all(other == mine for other in hvd.allgather_object(mine))
+
+    recorder = SameOnEveryRank()
+    model = fit(4, hvd_keras.callbacks.LocalSGDCallback(2, average_optimizer_state=True),
+                recorder)
+    assert recorder.seen == [False, True, False, True]
+    for got, want in zip(recorder.weights[1], alone):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+    assert momentum_same_on_every_rank(model)
+    recorder = SameOnEveryRank()
+    model = fit(4, hvd_keras.callbacks.LocalSGDCallback(2, warmup_batches=1), recorder)
+    assert recorder.seen == [True, False, True, False]
+    assert not momentum_same_on_every_rank(model)
+    with pytest.raises(ValueError, match="compile with the plain optimizer"):
+        fit(1, hvd_keras.callbacks.LocalSGDCallback(2),
+            optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)))

@@ -180,3 +180,60 @@ def _lr_variable(optimizer):
             f"variable, but {type(optimizer).__name__} uses {lr!r}; pass a number "
             "as learning_rate")
     return lr
+
+
+class LocalSGDCallback(tf.keras.callbacks.Callback):
+    """Local SGD for model.fit: each rank steps on its own gradients and the
+    ranks' weights are averaged every ``period`` batches.
+
+    Compile with the plain optimizer, not DistributedOptimizer (which would
+    average the gradients of every batch). For the first ``warmup_batches``
+    batches the weights are averaged after every batch: with
+    average_optimizer_state and SGD (with or without momentum) that equals
+    averaging the gradients. average_optimizer_state also averages the
+    optimizer's slots (its floating-point variables of one dimension or
+    more: momentum, Adam's moments). The average is taken at the end of the
+    batch, blocking, in one grouped allreduce; and once more when training
+    ends, so that every rank holds the same model. Start from the same
+    weights: BroadcastGlobalVariablesCallback(0) before this one.
+    """
+
+    def __init__(self, period, warmup_batches=0, average_optimizer_state=False):
+        super().__init__()
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"period must be a whole number >= 1, got {period!r}")
+        if isinstance(warmup_batches, bool) or not isinstance(warmup_batches, int) \
+                or warmup_batches < 0:
+            raise ValueError("warmup_batches must be a whole number >= 0, got "
+                             f"{warmup_batches!r}")
+        self.period = period
+        self.warmup_batches = warmup_batches
+        self.average_optimizer_state = average_optimizer_state
+        self.batches = 0
+
+    def on_train_begin(self, logs=None):
+        if getattr(self.model.optimizer, "_mpitrain_distributed", False):
+            raise ValueError(
+                "LocalSGDCallback averages the weights every period batches, but "
+                "the model's optimizer is a DistributedOptimizer, which averages "
+                "the gradients of every batch: compile with the plain optimizer")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        local = self.batches - self.warmup_batches
+        if local <= 0 or local % self.period == 0:
+            self.average()
+
+    def on_train_end(self, logs=None):
+        self.average()
+
+    def average(self):
+        """Average the weights (and slots) across ranks now; every rank calls it."""
+        variables = [v for v in self.model.weights if tf.as_dtype(v.dtype).is_floating]
+        if self.average_optimizer_state:
+            variables += [v for v in optimizer_variables(self.model.optimizer)
+                          if tf.as_dtype(v.dtype).is_floating and len(v.shape) > 0]
+        averaged = mt.grouped_allreduce([np.asarray(v.numpy()) for v in variables],
+                                        name="LocalSGDCallback.average")
+        for variable, value in zip(variables, averaged):
+            variable.assign(value)
