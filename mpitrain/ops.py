@@ -58,3 +58,13 @@ def resolve_op(op, average, default=Average):
         raise ValueError(
             f"unknown reduction op {op!r}; use one of "
             "Average, Sum, Min, Max, Product") from None
+
+
+def adasum_size_problem(size):
+    """Why op=Adasum cannot run on a process set of ``size`` ranks, or ""."""
+    if size & (size - 1) == 0:
+        return ""
+    below = 1 << (size.bit_length() - 1)
+    return (f"op=Adasum needs a power-of-two number of ranks (1, 2, 4, 8, ...), as "
+            f"Horovod's does, and this process set has {size}: run {below} or "
+            f"{below * 2} ranks, make a process set of {below}, or use op=Average")

@@ -1,5 +1,8 @@
 """init, topology queries, build queries, shutdown."""
 
+import subprocess
+import sys
+
 import pytest
 
 import mpitrain as mt
@@ -15,6 +18,17 @@ def test_queries_before_init_say_to_call_init():
     assert not mt.is_initialized()
     with pytest.raises(ValueError, match=r"init\(\)"):
         mt.allreduce([1.0])
+
+
+def test_importing_the_frameworks_modules_leaves_mpi_alone():
+    """MPI starts in init(), with the thread level mpitrain needs; importing
+    mpi4py.MPI earlier would start it at import, and a job with a rank that
+    exits before init() would then hang in MPI's start instead of failing."""
+    for module in ("mpitrain", "mpitrain.torch"):
+        code = f"import sys, {module}; print('mpi4py.MPI' in sys.modules)"
+        said = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                              text=True, timeout=120)
+        assert said.stdout.strip() == "False", (module, said.stdout, said.stderr[-2000:])
 
 
 def test_build_queries_answer_without_init():

@@ -17,8 +17,8 @@ from mpitrain.engine import naming
 from mpitrain.engine.entries import Handle
 from mpitrain.engine.handles import GroupHandle, synchronize
 from mpitrain.errors import ERROR_CLASSES
-from mpitrain.ops import Adasum, Average, OpType, ReduceOp, Sum, resolve_op
-from mpitrain.transport import adasum
+from mpitrain.ops import (
+    Adasum, Average, OpType, ReduceOp, Sum, adasum_size_problem, resolve_op)
 
 
 # Module-level names: an enum attribute costs a lookup on every call.
@@ -179,7 +179,7 @@ def _check_adasum(controller, handle):
     if handle.dtype.reduce_as.kind != "f":       # bfloat16 is a numpy "V" kind
         raise _Problem("type", "op=Adasum combines floating-point tensors (float16, "
                                f"bfloat16, float32, float64), got {handle.dtype.name}")
-    problem = adasum.size_problem(controller.size)
+    problem = adasum_size_problem(controller.size)
     if problem:
         raise _Problem("notimplemented", problem)
 
