@@ -15,6 +15,7 @@ import numpy as np
 
 from mpitrain.backends import arrays, dtypes
 from mpitrain.engine.recycled import RecycledBuffers
+from mpitrain.engine.streaming import Stream, flat
 from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp
 from mpitrain.transport import adasum
@@ -180,6 +181,13 @@ class Executor:
         names = group.names
         sources = [None if member is None else member.input for member in members]
         prescale = first.prescale if integer is None else 1.0
+        if (integer is None and backend is arrays.HOST and first.op != ReduceOp.ADASUM
+                and self.channel.takes_host_route(buffer)):
+            outputs = self._outputs(group, members, backend)
+            if all(_contiguous(array) for array in sources + outputs):
+                yield from self._allreduce_streamed(group, members, buffer, sources,
+                                                    outputs, prescale, factor)
+                return
         yield from self._traced(names, "MEMCPY_IN_FUSION_BUFFER",
                                 _now(backend.pack, sources, group.counts, buffer,
                                      prescale))
@@ -208,6 +216,26 @@ class Executor:
         backend.settle()
         for member, output in done:
             self.finish(member, output)
+
+    def _outputs(self, group, members, backend):
+        """Each member's output (made where the caller gave none); None for a
+        joined rank's share."""
+        for response, member in zip(group.responses, members):
+            if member is not None and member.output is None:
+                member.output = self._result(backend, response.shape, member.dtype)
+        return [None if member is None else member.output for member in members]
+
+    def _allreduce_streamed(self, group, members, buffer, sources, outputs, prescale,
+                            factor):
+        """Through the host route, each chunk's inputs go straight into shared
+        memory and its results straight into the outputs (mpitrain.engine.streaming)."""
+        stream = Stream(group.starts, group.counts, [flat(s) for s in sources],
+                        [flat(o) for o in outputs], prescale, factor)
+        yield from self._traced(group.names, "MPI_ALLREDUCE", self.channel.allreduce(
+            buffer, group.responses[0].op, fill=stream.fill, drain=stream.drain))
+        for member in members:
+            if member is not None:
+                self.finish(member, member.output)
 
     def _allreduce_alone(self, response, entry, factor, integer, backend):
         """One tensor: reduce in its output directly, without the fusion buffer."""
@@ -377,6 +405,10 @@ def _filler(source, factor, backend):
     flat = source.reshape(-1)
     return lambda start, stop, destination: backend.scale_into(
         flat[start:stop], factor, destination)
+
+
+def _contiguous(array):
+    return array is None or array.flags.c_contiguous
 
 
 def _now(function, *args):

@@ -129,7 +129,11 @@ class Channel:
         return [(start, min(start + step, count))
                 for start in range(0, max(count, 1), step)]
 
-    def allreduce(self, buffer, op, fill=None, after=None):
+    def takes_host_route(self, buffer):
+        """Does an allreduce of ``buffer`` travel by the host route (shared memory)?"""
+        return self.host_route is not None and self.host_route.takes(buffer)
+
+    def allreduce(self, buffer, op, fill=None, after=None, drain=None):
         """Reduce a 1-D host buffer in place, in chunks of about chunk_size bytes.
 
         fill(start, stop, destination), if given, writes the input's elements
@@ -137,11 +141,16 @@ class Channel:
         right before they travel; without it the buffer holds the input.
         after(start, stop) runs on each reduced chunk of the buffer: on the
         blocking channel right after it arrives, while it is still in cache.
+        drain(start, stop, source), instead of after, takes each chunk's
+        results from source, which may be shared memory: buffer then need
+        not hold them.
         """
-        if self.host_route is not None and self.host_route.takes(buffer):
+        if self.takes_host_route(buffer):
             yield from self.host_route.reducer.allreduce(buffer, op, fill, after,
-                                                         guard=self._blocking)
+                                                         guard=self._blocking,
+                                                         drain=drain)
             return
+        after = draining(buffer, after, drain)
         mpi_op = mpi_operation(op, buffer.dtype)
         mpi_type = MPI_TYPES[buffer.dtype]
         bounds = self.chunks(buffer.size, buffer.itemsize)
@@ -303,6 +312,13 @@ class Channel:
         yield self.comm.Iallgatherv([data, MPI.BYTE],
                                     [received, sizes.tolist(), None, MPI.BYTE])
         return _unpickled(received, sizes)
+
+
+def draining(buffer, after, drain):
+    """after(start, stop) of an allreduce into buffer that hands drain its results."""
+    if drain is None:
+        return after
+    return lambda start, stop: drain(start, stop, buffer[start:stop])
 
 
 def starts_of(counts):

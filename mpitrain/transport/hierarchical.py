@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.transport.channel import (
-    COUNT_LIMIT, MPI_TYPES, even_split, mpi_operation, starts_of)
+    COUNT_LIMIT, MPI_TYPES, draining, even_split, mpi_operation, starts_of)
 from mpitrain.transport.shm import unguarded
 
 
@@ -30,7 +30,7 @@ class HierarchicalAllreduce:
         self.inside = inside
         self.cross = cross
 
-    def allreduce(self, buffer, op, fill=None, after=None, guard=unguarded):
+    def allreduce(self, buffer, op, fill=None, after=None, guard=unguarded, drain=None):
         """As SharedMemoryAllreduce.allreduce, across every node."""
         operation = mpi_operation(op, buffer.dtype)
         datatype = MPI_TYPES[buffer.dtype]
@@ -40,7 +40,7 @@ class HierarchicalAllreduce:
                 self.cross.Allreduce(MPI.IN_PLACE, [piece, datatype], operation)
             yield from ()
 
-        yield from self.inside.allreduce(buffer, op, fill, after, across, guard)
+        yield from self.inside.allreduce(buffer, op, fill, after, across, guard, drain)
 
     def close(self):
         self.inside.close()
@@ -55,7 +55,8 @@ class MpiInsideNode:
         self.chunk_bytes = chunk_bytes
 
     def allreduce(self, buffer, op, fill=None, after=None, across=None,
-                  guard=unguarded):
+                  guard=unguarded, drain=None):
+        after = draining(buffer, after, drain)
         operation = mpi_operation(op, buffer.dtype)
         datatype = MPI_TYPES[buffer.dtype]
         per_chunk = max(1, self.chunk_bytes // buffer.itemsize)

@@ -98,7 +98,7 @@ class SharedMemoryAllreduce:
                     f"rank {rank}: {cause}" for rank, cause in enumerate(causes) if cause))
 
     def allreduce(self, buffer, op, fill=None, after=None, across=None,
-                  guard=unguarded):
+                  guard=unguarded, drain=None):
         """Reduce ``buffer`` in place across comm (a generator).
 
         op: a ReduceOp (Average sums: the caller divides); NaNs propagate
@@ -110,13 +110,15 @@ class SharedMemoryAllreduce:
         function, run on this rank's reduced slice of every chunk before
         the other ranks read it. guard(what): a context manager around
         each blocking barrier, so that a watch sees the call move between
-        them (mpitrain.engine.watch). Every rank must call with the same
-        size, dtype and op.
+        them (mpitrain.engine.watch). drain(start, stop, source): takes the
+        results of elements start:stop from source (in the segment) instead
+        of their copy into buffer, whose contents are then undefined; after
+        is not called. Every rank must call with the same size, dtype and op.
         """
         combine = COMBINE[op]
         _check(buffer)
         if self.comm.size == 1:
-            yield from self._alone(buffer, fill, after, across)
+            yield from self._alone(buffer, fill, after, across, drain)
             return
         rank, size = self.comm.rank, self.comm.size
         per_chunk = self.chunk_bytes // buffer.itemsize
@@ -151,11 +153,15 @@ class SharedMemoryAllreduce:
             yield from self._barrier(guard)
             for owner in copy_order:
                 low, high = bounds[owner]
-                buffer[start + low:start + high] = chunk[(owner + 1) % size][low:high]
-            if after is not None:
+                result = chunk[(owner + 1) % size][low:high]
+                if drain is None:
+                    buffer[start + low:start + high] = result
+                elif low < high:
+                    drain(start + low, start + high, result)
+            if after is not None and drain is None:
                 after(start, stop)
 
-    def _alone(self, buffer, fill, after, across):
+    def _alone(self, buffer, fill, after, across, drain):
         """The allreduce of a one-rank comm: the input is the result."""
         per_chunk = self.chunk_bytes // buffer.itemsize
         for start in range(0, buffer.size, per_chunk):
@@ -164,7 +170,9 @@ class SharedMemoryAllreduce:
                 fill(start, stop, buffer[start:stop])
             if across is not None:
                 yield from across(buffer[start:stop])
-            if after is not None:
+            if drain is not None:
+                drain(start, stop, buffer[start:stop])
+            elif after is not None:
                 after(start, stop)
 
     def _slot(self, rank, parity, dtype, count):

@@ -1,0 +1,67 @@
+"""A fused group's tensors streamed through a host reducer chunk by chunk.
+
+Packing a group into the fusion buffer, reducing the buffer and unpacking it
+again passes over the whole group five times. Through shared memory each
+chunk's inputs can instead go straight into the segment and its results
+straight out of it into the outputs (SharedMemoryAllreduce's fill and
+drain), while the chunk is still in cache: the fusion buffer then serves
+only as scratch space.
+"""
+
+import bisect
+
+import numpy as np
+
+from mpitrain.backends.arrays import scale_into
+
+
+class Stream:
+    """fill and drain of Channel.allreduce for tensors laid out at ``starts``.
+
+    sources: the flat inputs (None for a joined rank's share, which adds
+    zeros), times prescale on the way in; outputs: the flat outputs (None
+    where this rank has no tensor), times factor on the way out.
+    """
+
+    def __init__(self, starts, counts, sources, outputs, prescale, factor):
+        self.starts = starts
+        self.ends = [start + count for start, count in zip(starts, counts)]
+        self.sources = sources
+        self.outputs = outputs
+        self.prescale = prescale
+        self.factor = factor
+
+    def _pieces(self, start, stop):
+        """(tensor, its first element, how many) of the buffer's elements start:stop."""
+        tensor = bisect.bisect_right(self.starts, start) - 1
+        while tensor < len(self.starts) and self.starts[tensor] < stop:
+            low = max(start, self.starts[tensor])
+            high = min(stop, self.ends[tensor])
+            if low < high:
+                yield tensor, low - self.starts[tensor], high - low
+            tensor += 1
+
+    def fill(self, start, stop, destination):
+        at = 0
+        for tensor, first, count in self._pieces(start, stop):
+            into = destination[at:at + count]
+            source = self.sources[tensor]
+            if source is None:
+                into[...] = 0
+            else:
+                scale_into(source[first:first + count], self.prescale, into)
+            at += count
+
+    def drain(self, start, stop, source):
+        at = 0
+        for tensor, first, count in self._pieces(start, stop):
+            output = self.outputs[tensor]
+            if output is not None:
+                scale_into(source[at:at + count], self.factor,
+                           output[first:first + count])
+            at += count
+
+
+def flat(array):
+    """A 1-D view of a contiguous array (None stays None)."""
+    return None if array is None else np.reshape(array, -1)
