@@ -103,6 +103,33 @@ def test_step_evaluates_a_closure_once_and_returns_its_loss():
     assert_same_parameters(model, reference)
 
 
+class MixedModel(torch.nn.Module):
+    """float32 and float64 parameters, and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3).double()
+        self.frozen = torch.nn.Linear(6, 3).requires_grad_(False)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)).double()).float() + self.frozen(x)
+
+
+@mpi_test(np=(2, 3))
+def test_parameters_of_several_dtypes_and_frozen_ones():
+    model, reference = MixedModel(), MixedModel()
+    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    plain = distributed(reference, torch.optim.AdamW, lr=0.01)
+    for step in range(3):
+        train_step(model, sharded, step)
+        train_step(reference, plain, step)
+        assert_same_parameters(model, reference)
+        assert_identical_across_ranks(model)
+    assert_same_state(sharded.state_dict(), plain.state_dict())
+    assert_same_parameters(model.frozen, MixedModel().frozen)
+
+
 @mpi_test(np=(2, 3))
 def test_each_rank_holds_about_one_nth_of_the_state():
     model, reference = make_model(layers=13, width=32), make_model(layers=13, width=32)
