@@ -234,3 +234,21 @@ def test_ranks_with_different_models_fail_on_every_rank():
     with pytest.raises(ValueError, match=r"ranks \[1.*\] have other parameters than "
                                          r"rank 0 .*shape \(8, 6\).*shape \(9, 6\)"):
         hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+
+
+@mpi_test(np=(2, 3))
+def test_an_elastic_torch_state_commits_and_restores_it():
+    model = make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.Adam, model.parameters(), lr=0.01)
+    state = hvd.elastic.TorchState(model, sharded)
+    train_step(model, sharded, 0)
+    state.commit()
+    committed = sharded.state_dict()
+    parameters = [p.detach().clone() for p in model.parameters()]
+    for step in range(1, 3):
+        train_step(model, sharded, step)
+    state.restore()
+    state.sync()
+    assert_same_state(sharded.state_dict(), committed)
+    for p, q in zip(model.parameters(), parameters):
+        assert torch.equal(p, q)
