@@ -94,3 +94,21 @@ def test_horovods_tensorflow_elastic_names_restore_and_sync_variables():
     assert hvd.elastic.TensorFlowKerasState.__name__ == "TensorFlowKerasState"
     with pytest.raises(ValueError, match="TF1 sessions"):
         hvd.elastic.TensorFlowState([weights], session=object())
+
+
+def test_a_script_dying_of_keras2s_optimizer_variables_call_is_told_what_to_write(
+        tmp_path):
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "keras2_script.py"
+    script.write_text("import keras, mpitrain.tensorflow as hvd\n"
+              "opt = keras.optimizers.SGD(0.1)\n"
+              "opt.build([keras.Variable(1.0)])\n"
+              "hvd.broadcast_variables(opt.variables(), root_rank=0)\n")
+    job = subprocess.run([sys.executable, str(script)], cwd=ROOT,
+                         env=job_environment(TF_ENV), capture_output=True, text=True,
+                         timeout=120)
+    assert job.returncode == 1
+    last = job.stderr.strip().splitlines()[-2:]
+    assert last[0] == "TypeError: 'list' object is not callable", job.stderr
+    assert last[1].startswith("mpitrain: `optimizer.variables()` is Keras 2: on Keras 3 "
+                              "`variables` is a list, so write `optimizer.variables`")

@@ -42,3 +42,6 @@ __getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow", lazy
     "mpi_ops": "is not a module here: its functions are in mpitrain.tensorflow itself",
     "run": "is horovod.run, which is mpitrain.run",
 })
+from mpitrain.tensorflow import keras2_errors as _keras2_errors
+
+_keras2_errors.explain_keras2_errors()

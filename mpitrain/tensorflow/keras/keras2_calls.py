@@ -19,7 +19,10 @@ WHAT_TO_DO = (f"{KERAS2_ONLY} is a Keras 2 argument: drop it, or run Keras 2 wit
 
 def accept_horovods_compile_arguments():
     """Let keras.Model.compile take Horovod's experimental_run_tf_function."""
-    compile_ = keras.Model.compile
+    # Replaced where it is defined (Keras' Trainer), not on keras.Model: Keras
+    # compiles a loaded model only if its class does not override compile.
+    owner = next(klass for klass in keras.Model.__mro__ if "compile" in vars(klass))
+    compile_ = owner.compile
     if getattr(compile_, "_mpitrain_keras2_calls", False):
         return
 
@@ -34,4 +37,5 @@ def accept_horovods_compile_arguments():
         return compile_(self, *args, **kwargs)
 
     compile._mpitrain_keras2_calls = True
-    keras.Model.compile = compile
+    owner.compile = compile
+
