@@ -236,12 +236,13 @@ def _options(group):
 class _Layout:
     """Where each parameter of one dtype sits in the flat buffer of N segments."""
 
-    def __init__(self, dtype, device, segment, starts, rank):
+    def __init__(self, dtype, device, segment, places, rank):
+        """places: (parameter, owner, offset in the owner's segment)."""
         self.dtype, self.device, self.segment = dtype, device, segment
-        self.starts = starts                      # (parameter, start in the buffer)
-        mine = range(rank * segment, (rank + 1) * segment)
-        self.mine = [(p, start - mine.start) for p, start in starts if start in mine]
-        self.theirs = [(p, start) for p, start in starts if start not in mine]
+        self.starts = [(p, owner * segment + offset) for p, owner, offset in places]
+        self.mine = [(p, offset) for p, owner, offset in places if owner == rank]
+        self.theirs = [(p, owner * segment + offset) for p, owner, offset in places
+                       if owner != rank]
 
 
 def _as_groups(params):
@@ -265,14 +266,17 @@ def _check_same_everywhere(parameters, groups):
     everyone = allgather_object(mine, "ShardedOptimizer.parameters_check")
     differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
-        theirs = everyone[differ[0]]
-        first = next((i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b),
-                     min(len(theirs), len(everyone[0])))
-        describe = lambda entries: entries[first] if first < len(entries) else "nothing"
+        ours, theirs = everyone[0], everyone[differ[0]]
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                     min(len(ours), len(theirs)))
         raise ValueError(
             f"ShardedOptimizer: ranks {differ} have other parameters than rank 0 "
-            f"(rank 0 has {describe(everyone[0])}, rank {differ[0]} has "
-            f"{describe(theirs)}); every rank must build the same model")
+            f"(rank 0 has {_entry(ours, first)}, rank {differ[0]} has "
+            f"{_entry(theirs, first)}); every rank must build the same model")
+
+
+def _entry(entries, index):
+    return entries[index] if index < len(entries) else "nothing more"
 
 
 def _owners(parameters, size):
@@ -293,12 +297,10 @@ def _layouts(parameters, owner, size):
     layouts = []
     for dtype in sorted(by_dtype, key=str):
         filled = [0] * size
-        offsets = []
+        places = []
         for p in by_dtype[dtype]:
-            offsets.append((p, owner[p], filled[owner[p]]))
+            places.append((p, owner[p], filled[owner[p]]))
             filled[owner[p]] += p.numel()
-        segment = max(filled)
-        layouts.append(_Layout(dtype, by_dtype[dtype][0].device, segment,
-                               [(p, rank * segment + offset) for p, rank, offset in offsets],
+        layouts.append(_Layout(dtype, by_dtype[dtype][0].device, max(filled), places,
                                basics.rank()))
     return layouts
