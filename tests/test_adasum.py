@@ -107,6 +107,17 @@ def test_half_precision_inputs():
             assert_matches(result, array.shape, 20 + i, ranks, dtype, rtol=2 * step)
 
 
+@mpi_test(np=(2, 4), timeout=60)
+def test_a_joined_rank_contributes_zeros():
+    """Rank 1 joins at once; Adasum of a vector and zeros is that vector."""
+    if mt.rank() != 1:
+        result = mt.allreduce(inputs_of(mt.rank(), (50,), 90), op=mt.Adasum, name="joined")
+        vectors = [np.zeros(50) if r == 1 else inputs_of(r, (50,), 90)
+                   for r in range(mt.size())]
+        np.testing.assert_allclose(result, reference(vectors), rtol=1e-12)
+    mt.join()
+
+
 @mpi_test(np=(4,), timeout=60)
 def test_process_set_uses_its_own_ranks():
     members = [1, 3]
