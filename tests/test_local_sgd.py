@@ -144,6 +144,8 @@ def test_bad_period_and_warmup_are_refused():
             hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), period=bad)
     with pytest.raises(ValueError, match="warmup_steps must be"):
         hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), warmup_steps=-1)
+    with pytest.raises(ValueError, match="op=Adasum"):
+        hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
 
 
 @mpi_test(env=TF_ENV, timeout=180)

@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.ops import Average
+from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.torch.ops import grouped_allreduce_async_
 from mpitrain.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
 
@@ -159,6 +159,9 @@ def LocalSGDOptimizer(optimizer, named_parameters=None, period=4, warmup_steps=0
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
             or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be a whole number >= 0, got {warmup_steps!r}")
+    if resolve_op(options.get("op", Average), None) == Adasum:
+        raise ValueError("LocalSGDOptimizer averages parameters and cannot take "
+                         "op=Adasum; use DistributedOptimizer(op=Adasum) instead")
     distributed = DistributedOptimizer(optimizer, named_parameters,
                                        process_set=process_set, **options)
     base = type(distributed)
