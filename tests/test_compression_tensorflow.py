@@ -92,3 +92,12 @@ def test_error_feedback_carries_every_residual_into_the_next_step():
             sent += mine
         np.testing.assert_allclose(sent + compressor.residuals["w"], sum(gradients),
                                    rtol=1e-5, atol=1e-5, err_msg=make)
+
+
+@mpi_test(np=(2,), env=TF_ENV, timeout=180)
+def test_a_shape_that_differs_between_ranks_fails_on_every_rank():
+    compressor = hvd_tf.Compression.int4(error_feedback=False, min_elements=0)
+    with pytest.raises(ValueError, match=r"'w' differs in shape between ranks: "
+                                         r"rank 0: \[4, 3\], rank 1: \[4, 4\]"):
+        compressor.exchange(np.ones((4, 3 + hvd.rank()), np.float32), "w",
+                            hvd_tf.global_process_set)

@@ -79,6 +79,16 @@ def test_exchange_sums_every_ranks_approximation():
 
 
 @mpi_test()
+def test_a_shape_that_differs_between_ranks_fails_on_every_rank():
+    for compressor in compressors(error_feedback=False)[:4]:
+        exchange = compressor.start(torch.ones(4, 3 + hvd.rank()), "w",
+                                    hvd.global_process_set)
+        with pytest.raises(ValueError, match=r"'w' differs in shape between ranks: "
+                                             r"rank 0: \[4, 3\], rank 1: \[4, 4\]"):
+            exchange.wait()
+
+
+@mpi_test()
 def test_error_feedback_carries_every_residual_into_the_next_step():
     r = hvd.rank()
     for compressor in compressors(error_feedback=True):

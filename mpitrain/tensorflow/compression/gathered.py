@@ -6,6 +6,8 @@ through the numpy core, and each rank decompresses them all and sums in
 rank order, so every rank holds the same result.
 """
 
+import math
+
 import numpy as np
 
 import mpitrain as mt
@@ -32,14 +34,28 @@ class GradientCompressor:
 
     def exchange(self, array, name, process_set):
         payload, context = self.compress(array, name)
-        self.bytes_sent += sum(part.nbytes for part in payload)
-        gathered = mt.synchronize(mt.grouped_allgather_async(
-            list(payload), f"{name}.{type(self).__name__}", process_set))
+        # The shape travels too (see mpitrain/torch/compression/base.py).
+        sent = list(payload) + [np.array(_padded_shape(array.shape), np.int64)]
+        self.bytes_sent += sum(part.nbytes for part in sent)
+        *gathered, shapes = mt.synchronize(mt.grouped_allgather_async(
+            sent, f"{name}.{type(self).__name__}", process_set))
         size = process_set.size()
+        shapes = [tuple(int(d) for d in shape if d >= 0) for shape in shapes.reshape(size, -1)]
+        if len(set(shapes)) > 1:
+            raise ValueError(f"the gradient '{name}' differs in shape between ranks: "
+                             + ", ".join(f"rank {rank}: {list(shape)}"
+                                         for rank, shape in enumerate(shapes)))
         parts = [part.reshape(size, -1) for part in gathered]
         total = sum(self.decompress(tuple(part[rank] for part in parts), context)
                     for rank in range(size))
         return total, self.decompress(payload, context)
+
+
+def _padded_shape(shape, length=8):
+    record = list(shape[:length - 1])
+    if len(shape) >= length:
+        record.append(math.prod(shape[length - 1:]))
+    return record + [-1] * (length - len(record))
 
 
 class TopK(GradientCompressor):

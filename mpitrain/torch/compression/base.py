@@ -8,6 +8,10 @@ submits its own collectives through mpitrain's public ops and hands back an
 exchange to wait on.
 """
 
+import math
+
+import torch
+
 from mpitrain.torch.ops import grouped_allgather_async
 
 DEFAULT_MIN_ELEMENTS = 1024
@@ -56,10 +60,14 @@ class GradientCompressor:
         of the tensor moves on a few ranks, growing with the ranks.
         """
         payload, context = self.compress(tensor, name)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in payload)
-        handle = grouped_allgather_async(payload, f"{name}.{type(self).__name__}",
+        # The shape travels too: allgather takes payloads of any length, so a
+        # rank whose tensor differs would otherwise be sliced wrongly, silently.
+        shape = torch.tensor(_padded_shape(tensor.shape), device=tensor.device)
+        sent = list(payload) + [shape]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in sent)
+        handle = grouped_allgather_async(sent, f"{name}.{type(self).__name__}",
                                          process_set)
-        return GatheredExchange(self, handle, payload, context, process_set.size())
+        return GatheredExchange(self, handle, payload, context, name, process_set.size())
 
     def state(self, name):
         """The tensors to keep in the optimizer's state_dict for ``name``."""
@@ -69,21 +77,38 @@ class GradientCompressor:
         """Take back ``state(name)``; ``own``: it was saved by this rank."""
 
 
+def _padded_shape(shape, length=8):
+    """A shape as ``length`` integers, the same count on every rank so that the
+    gathered shapes slice apart by rank: -1 pads, and dimensions beyond the
+    last slot are multiplied into it."""
+    record = list(shape[:length - 1])
+    if len(shape) >= length:
+        record.append(math.prod(shape[length - 1:]))
+    return record + [-1] * (length - len(record))
+
+
 class GatheredExchange:
     """Every rank's payload, gathered; ``wait()`` sums their decompressions."""
 
-    __slots__ = ("_compressor", "_handle", "_payload", "_context", "_size", "mine")
+    __slots__ = ("_compressor", "_handle", "_payload", "_context", "_name", "_size", "mine")
 
-    def __init__(self, compressor, handle, payload, context, size):
+    def __init__(self, compressor, handle, payload, context, name, size):
         self._compressor = compressor
         self._handle = handle
         self._payload = payload
         self._context = context
+        self._name = name
         self._size = size
         self.mine = None
 
     def wait(self):
-        gathered = self._handle.wait()
+        *gathered, shapes = self._handle.wait()
+        shapes = [tuple(d for d in shape.tolist() if d >= 0)
+                  for shape in shapes.view(self._size, -1)]
+        if len(set(shapes)) > 1:
+            raise ValueError(f"the gradient '{self._name}' differs in shape between "
+                             "ranks: " + ", ".join(f"rank {rank}: {list(shape)}"
+                                                   for rank, shape in enumerate(shapes)))
         # Every rank's payload has the same shapes (the tensors' match), so
         # rank i's part of each concatenation is its i-th equal slice.
         parts = [t.view(self._size, -1) for t in gathered]
