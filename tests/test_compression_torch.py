@@ -129,6 +129,21 @@ def test_ranks_end_with_identical_parameters():
 
 
 @mpi_test()
+def test_submitting_during_backward_or_in_step_gives_the_same_parameters():
+    for make in (0, 1, 4):          # topk, onebit, powersgd, with error feedback
+        trained = []
+        for overlap in (True, False):
+            model = make_model()
+            optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                                 named_parameters=model.named_parameters(),
+                                                 compression=compressors(True)[make],
+                                                 overlap=overlap)
+            train(optimizer, model)
+            trained.append([p.detach().clone() for p in model.parameters()])
+        assert all(torch.equal(p, q) for p, q in zip(*trained)), make
+
+
+@mpi_test()
 def test_topk_of_every_entry_trains_like_one_process():
     check_against_one_process(sgd, compression=hvd.Compression.topk(1.0, min_elements=0))
 
