@@ -112,3 +112,45 @@ def test_a_script_dying_of_keras2s_optimizer_variables_call_is_told_what_to_writ
     assert last[0] == "TypeError: 'list' object is not callable", job.stderr
     assert last[1].startswith("mpitrain: `optimizer.variables()` is Keras 2: on Keras 3 "
                               "`variables` is a list, so write `optimizer.variables`")
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_horovods_tf2_elastic_example_runs_with_only_its_import_changed():
+    # The shape of Horovod's tensorflow2_mnist_elastic.py, on random images.
+    import tensorflow as tf
+    import mpitrain.tensorflow as hvd
+    images = tf.random.uniform([64, 8, 8, 1], seed=hvd.rank())
+    labels = tf.random.uniform([64], maxval=10, dtype=tf.int64, seed=hvd.rank())
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).repeat().batch(8)
+    model = tf.keras.Sequential([tf.keras.layers.Flatten(), tf.keras.layers.Dense(10)])
+    loss = tf.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = tf.optimizers.Adam(0.001 * hvd.size())
+
+    @tf.function
+    def training_step(images, labels, allreduce=True):
+        with tf.GradientTape() as tape:
+            loss_value = loss(labels, model(images, training=True))
+        if allreduce:
+            tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss_value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss_value
+
+    for images, labels in dataset.take(1):
+        training_step(images, labels, allreduce=False)
+
+    @hvd.elastic.run
+    def train(state):
+        start_batch = state.batch
+        for batch_idx, (images, labels) in enumerate(dataset.skip(state.batch).take(6)):
+            state.batch = start_batch + batch_idx
+            training_step(images, labels)
+            if state.batch % 2 == 0:
+                state.commit()
+
+    state = hvd.elastic.TensorFlowKerasState(model, opt, batch=0)
+    state.register_reset_callbacks([lambda: None])
+    train(state)
+    assert state.batch == 5
+    kernels = hvd.allgather_object(model.get_weights()[0])
+    assert all(np.array_equal(kernels[0], kernel) for kernel in kernels)
