@@ -57,7 +57,7 @@ def resolve_op(op, average, default=Average):
     except ValueError:
         raise ValueError(
             f"unknown reduction op {op!r}; use one of "
-            "Average, Sum, Min, Max, Product") from None
+            "Average, Sum, Adasum, Min, Max, Product") from None
 
 
 def adasum_size_problem(size):

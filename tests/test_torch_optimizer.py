@@ -257,8 +257,9 @@ def test_wrapping_keeps_the_class_and_checks_names():
         hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=named[:2])
     with pytest.raises(ValueError, match="already a DistributedOptimizer"):
         hvd.DistributedOptimizer(optimizer)
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.DistributedOptimizer(sgd(model.parameters()), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), op=hvd.Adasum,
+                                 gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="before wrapping"):
         optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
 

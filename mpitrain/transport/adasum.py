@@ -53,7 +53,7 @@ def allreduce(channel, buffer, counts):
                      ((middle, high), (low, middle))
         mine = buffer[keep[0]:keep[1]]
         theirs = received[:mine.size]
-        yield from channel._exchange({partner: as_bytes(buffer[give[0]:give[1]])},
+        yield from channel.exchange({partner: as_bytes(buffer[give[0]:give[1]])},
                                      {partner: as_bytes(theirs)})
         sums = _dot_and_norms(mine, theirs, keep[0], tensor_starts, first)
         yield from _sum_in_block(channel, sums, distance)
@@ -66,7 +66,7 @@ def allreduce(channel, buffer, counts):
         partner = rank ^ distance
         outer_low, outer_high = spans.pop()
         other = (high, outer_high) if low == outer_low else (outer_low, low)
-        yield from channel._exchange({partner: as_bytes(buffer[low:high])},
+        yield from channel.exchange({partner: as_bytes(buffer[low:high])},
                                      {partner: as_bytes(buffer[other[0]:other[1]])})
         low, high = outer_low, outer_high
 
@@ -112,7 +112,7 @@ def _sum_in_block(channel, sums, distance):
     step = 1
     while step <= distance:
         partner = channel.rank ^ step
-        yield from channel._exchange({partner: as_bytes(sums)},
+        yield from channel.exchange({partner: as_bytes(sums)},
                                      {partner: as_bytes(incoming)})
         sums += incoming
         step <<= 1

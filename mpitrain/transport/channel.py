@@ -193,7 +193,7 @@ class Channel:
         if starts[-1] > COUNT_LIMIT:         # counts or offsets past MPI's int
             me = self.rank
             receive[starts[me]:starts[me + 1]] = send
-            yield from self._exchange(
+            yield from self.exchange(
                 {peer: send for peer in range(self.size) if peer != me},
                 {peer: receive[starts[peer]:starts[peer + 1]]
                  for peer in range(self.size) if peer != me})
@@ -230,7 +230,7 @@ class Channel:
             me = self.rank
             receive[received[me]:received[me + 1]] = send[sent[me]:sent[me + 1]]
             others = [peer for peer in range(self.size) if peer != me]
-            yield from self._exchange(
+            yield from self.exchange(
                 {peer: send[sent[peer]:sent[peer + 1]] for peer in others},
                 {peer: receive[received[peer]:received[peer + 1]] for peer in others})
             return
@@ -242,7 +242,7 @@ class Channel:
             return
         yield self.comm.Ialltoallv(send_spec, receive_spec)
 
-    def _exchange(self, outgoing, incoming):
+    def exchange(self, outgoing, incoming):
         """Send and receive byte views rank to rank, in pieces below MPI's limits:
         outgoing[peer] goes to peer, incoming[peer] comes from it."""
         requests = []
