@@ -72,6 +72,15 @@ def test_keras_digits():
     assert seconds < TWO_MINUTES
 
 
+def test_keras_mixed_precision_digits_runs_its_recipe():
+    # float16 is slow on the CPU (15 epochs reach 0.98 in minutes here): a
+    # few batches show that the LossScaleOptimizer inside DistributedOptimizer runs.
+    stdout, _ = run_example(2, "keras_mixed_precision_digits.py", "--epochs", "1",
+                            "--batch-size", "128")
+    assert float(re.search(r"^loss scale: (\S+)$", stdout, re.M).group(1)) > 0
+    final_accuracy(stdout)
+
+
 def test_a_horovod_script_runs_with_only_its_import_changed():
     source = open(os.path.join(ROOT, "examples", "pytorch_horovod_script.py")).read()
     assert "import horovod" not in source.replace("# was: import horovod", "")
