@@ -131,6 +131,8 @@ sed 's/^/    /' "$pip_conf"
 # reaches its indexes through the host's network.
 timeout 1200 "${podman_[@]}" build --pull=never --network=host "${ulimits[@]}" "${build_args[@]}" \
     -t "$image" "$repo" 2>&1 | elapsed
+# The layers of earlier builds that this one no longer uses (GBs each).
+timeout 300 "${podman_[@]}" image prune --force > /dev/null
 
 stage "run the default command"
 timeout 60 "${podman_[@]}" run --rm --network=host "${ulimits[@]}" "$image" id
