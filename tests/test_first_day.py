@@ -154,3 +154,33 @@ def test_horovods_tf2_elastic_example_runs_with_only_its_import_changed():
     assert state.batch == 5
     kernels = hvd.allgather_object(model.get_weights()[0])
     assert all(np.array_equal(kernels[0], kernel) for kernel in kernels)
+
+
+NOTICES = ("import sys\n"
+           "sys.stderr.write('WARNING: All log messages before absl::InitializeLog() "
+           "is called are written to STDERR\\n')\n"
+           "sys.stderr.write('I0000 00:00:1795475723.538430   24940 port.cc:153] oneDNN "
+           "custom operations are on. You may see slightly different numerical results "
+           "due to floating-point round-off errors.\\n')\n"
+           "sys.stderr.write('rank says: oneDNN custom operations are on. is my line\\n')\n")
+
+
+@pytest.mark.parametrize("level,shown", [(None, False), ("0", True)])
+def test_tensorflows_start_up_notices_go_unless_info_lines_are_asked_for(level, shown,
+                                                                         tmp_path):
+    script = tmp_path / "notices.py"
+    script.write_text(NOTICES)
+    env = {k: v for k, v in job_environment().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    if level is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = level
+    job = subprocess.run([os.path.join(VENV_BIN, "mpitrainrun"), "-np", "2",
+                          sys.executable, str(script)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    lines = sorted(job.stderr.splitlines())
+    mine = [f"[1,{rank}]<stderr>: rank says: oneDNN custom operations are on. is my line"
+            for rank in range(2)]
+    assert [line for line in lines if "my line" in line] == mine
+    notices = [line for line in lines if "absl::InitializeLog" in line
+               or "port.cc:153] oneDNN" in line]
+    assert len(notices) == (4 if shown else 0), job.stderr

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 
+from mpitrain.launcher import quiet
 from mpitrain.runtime import launch_report
 
 MiB = 1024 * 1024
@@ -81,10 +82,9 @@ SETTINGS = (
 TAG_OUTPUT = {"openmpi": ["--tag-output"], "mpich": ["-prepend-rank"]}
 
 # TensorFlow's start-up lines on every rank (the CPU-feature guard and other
-# INFO and WARNING lines of its C++ log); a user's own setting wins. oneDNN's
-# notice, printed before TensorFlow reads its log level, stays: only
-# TF_ENABLE_ONEDNN_OPTS=0 silences it, which made a CPU training step several
-# times slower (docs/troubleshooting.md#tensorflows-start-up-lines).
+# INFO and WARNING lines of its C++ log); a user's own setting wins. With it,
+# mpitrainrun also drops the two notices printed before TensorFlow reads it
+# (quiet.py).
 QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 # What mpitrainrun passes on to mpirun, which ends the job on either; Ctrl-C
@@ -353,7 +353,10 @@ class Stopping(Exception):
 def run(line, env):
     """Run mpirun and return its exit code (128 + N if signal N ended it or
     mpitrainrun)."""
-    process = subprocess.Popen(line, env=env)
+    quiet_tensorflow = quiet.wanted(env)
+    process = subprocess.Popen(line, env=env,
+                               stderr=subprocess.PIPE if quiet_tensorflow else None)
+    copying = quiet.copy_without_notices(process.stderr) if quiet_tensorflow else None
     received = []
 
     def forward(number, _):
@@ -376,6 +379,10 @@ def run(line, env):
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             process.terminate()
             code = process.wait()
+    if copying is not None:
+        # What the ranks wrote last comes before anything printed after the
+        # job; a daemon left holding the pipe must not keep us waiting.
+        copying.join(timeout=5)
     if received:
         return 128 + received[0]
     return 128 - code if code < 0 else code
