@@ -45,3 +45,12 @@ def not_initialized_error():
     return ValueError(
         "mpitrain has not been initialized; call mpitrain.init() "
         "(or hvd.init()) first")
+
+
+def not_a_cast_compressor(call, compression):
+    """The error of a collective given a compressor that moves its own payload."""
+    return ValueError(
+        f"{call}(compression={type(compression).__name__}(...)): this compressor "
+        "sends its own payload and works only as DistributedOptimizer(compression=...) "
+        f"or DistributedGradientTape(compression=...); {call} takes Compression.none, "
+        ".fp16, .bf16 or a Horovod-style compressor (docs/compression.md)")

@@ -31,6 +31,15 @@ def test_the_numpy_compressors_round_trip_like_the_torch_ones():
             sum(p.numel() * p.element_size() for p in theirs.compress(torch.from_numpy(x))[0])
 
 
+
+def test_collectives_refuse_compressors_that_send_their_own_payload():
+    tensor = np.ones((4, 4), np.float32)
+    for name, call in (("allreduce", hvd_tf.allreduce),
+                       ("reducescatter", hvd_tf.reducescatter)):
+        with pytest.raises(ValueError, match=rf"^{name}\(compression=TopK.*"
+                                             r"only as DistributedOptimizer"):
+            call(tensor, compression=hvd_tf.Compression.topk(0.1, error_feedback=False))
+
 @mpi_test(np=(2,), env=TF_ENV, timeout=180)
 def test_keras_fit_with_topk_of_every_entry_equals_one_process():
     one_thread()

@@ -65,6 +65,19 @@ def test_round_trips_keep_what_each_compressor_promises():
                                low_rank, rtol=1e-4, atol=1e-4)
 
 
+def test_collectives_refuse_compressors_that_send_their_own_payload():
+    tensor = torch.ones(4, 4)
+    calls = {"allreduce": lambda c: hvd.allreduce(tensor, compression=c),
+             "grouped_allreduce": lambda c: hvd.grouped_allreduce([tensor], compression=c),
+             "reducescatter": lambda c: hvd.reducescatter(tensor, compression=c),
+             "grouped_reducescatter":
+                 lambda c: hvd.grouped_reducescatter([tensor], compression=c)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{name}\(compression=ErrorFeedback.*"
+                                             r"only as DistributedOptimizer"):
+            call(hvd.Compression.topk(0.1))
+
+
 @mpi_test()
 def test_exchange_sums_every_ranks_approximation():
     n = hvd.size()

@@ -3,9 +3,10 @@
 import tensorflow as tf
 
 from mpitrain.api.process_sets import global_process_set
+from mpitrain.errors import not_a_cast_compressor
 from mpitrain.ops import OpType, resolve_op
 from mpitrain.tensorflow import primitives
-from mpitrain.tensorflow.compression import Compression
+from mpitrain.tensorflow.compression import Compression, GradientCompressor
 from mpitrain.tensorflow.primitives import reduce_dense
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
 
@@ -34,6 +35,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
     Dense tensors travel together; tf.IndexedSlices travel through allgather.
     """
+    if isinstance(compression, GradientCompressor):
+        raise not_a_cast_compressor("allreduce", compression)
     op = resolve_op(op, average)
     results = list(tensors)
     dense = [i for i, t in enumerate(results) if not isinstance(t, tf.IndexedSlices)]

@@ -4,9 +4,10 @@ import tensorflow as tf
 
 import mpitrain as mt
 from mpitrain.api.process_sets import global_process_set
+from mpitrain.errors import not_a_cast_compressor
 from mpitrain.ops import Average, resolve_op
 from mpitrain.tensorflow import graph_op
-from mpitrain.tensorflow.compression import Compression
+from mpitrain.tensorflow.compression import Compression, GradientCompressor
 from mpitrain.tensorflow.primitives import gather
 
 
@@ -30,6 +31,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     row when it does not divide evenly.
     """
     op = resolve_op(op, None)
+    if isinstance(compression, GradientCompressor):
+        raise not_a_cast_compressor("reducescatter", compression)
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     if not compressed:
         return []

@@ -19,9 +19,10 @@ from mpitrain.api import array_ops
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine import naming
 from mpitrain.engine.handles import synchronize
+from mpitrain.errors import not_a_cast_compressor
 from mpitrain.ops import Average, OpType, resolve_op
 from mpitrain.torch import ops
-from mpitrain.torch.compression import Compression
+from mpitrain.torch.compression import Compression, GradientCompressor
 
 
 def _grad_name(name):
@@ -38,6 +39,11 @@ def _row_offsets(rows, name, process_set):
                                              naming.derived(name, ".grad.rows"),
                                              process_set))
     return counts[:process_set.rank()].sum(dim=0).tolist()
+
+
+def _cast_only(compression, call):
+    if isinstance(compression, GradientCompressor):
+        raise not_a_cast_compressor(call, compression)
 
 
 def _compress_all(compression, tensors):
@@ -179,6 +185,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` across the set (Average by default) into a new tensor."""
+    _cast_only(compression, "allreduce")
     compressed, ctx = compression.compress(tensor)
     reduced = _Allreduce.apply(compressed, _named(name, OpType.ALLREDUCE, process_set),
                                resolve_op(op, average),
@@ -189,6 +196,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none,
                       op=None, prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set):
+    _cast_only(compression, "grouped_allreduce")
     compressed, contexts = _compress_all(compression, tensors)
     reduced = _GroupedAllreduce.apply(_named(name, OpType.ALLREDUCE, process_set),
                                       resolve_op(op, average), prescale_factor,
@@ -228,6 +236,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0,
                   postscale_factor=1.0):
     """Reduce ``tensor`` across the set and keep this rank's rows of the result."""
+    _cast_only(compression, "reducescatter")
     compressed, ctx = compression.compress(tensor)
     scattered = _Reducescatter.apply(compressed,
                                      _named(name, OpType.REDUCESCATTER, process_set),
@@ -239,6 +248,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
+    _cast_only(compression, "grouped_reducescatter")
     compressed, contexts = _compress_all(compression, tensors)
     scattered = _GroupedReducescatter.apply(_named(name, OpType.REDUCESCATTER, process_set),
                                             resolve_op(op, None), process_set,
