@@ -76,6 +76,22 @@ def test_step_inside_no_sync_and_nested_no_sync_are_refused():
     assert_identical_across_ranks(model)
 
 
+@mpi_test()
+def test_passes_inside_no_sync_do_not_count_towards_backward_passes_per_step():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2)
+    x, y = micro_batch(0, 0)
+    with optimizer.no_sync():
+        for _ in range(hvd.rank() + 1):
+            F.mse_loss(model(x), y).backward()
+    for _ in range(2):
+        F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert_identical_across_ranks(model)
+
+
 @mpi_test(env=TF_ENV, timeout=180)
 def test_keras_backward_passes_per_step_sends_only_on_the_last_micro_batch():
     tf, keras, hvd_keras = keras_modules()

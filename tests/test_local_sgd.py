@@ -137,6 +137,31 @@ def test_overlapped_average_keeps_the_next_local_step_on_top_of_it():
 
 
 @mpi_test()
+def test_the_grad_scaler_recipe_runs_unchanged_in_the_local_phase():
+    model = make_model()
+    optimizer = hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      period=2, warmup_steps=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(3):
+        x, y = batch(100 * hvd.rank() + step, ROWS)
+        optimizer.zero_grad()
+        with optimizer.no_sync():
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+        # Synchronous step 0, local step 1, local step 2 with the average of
+        # step 1 applied first: the ranks agree only after the warm-up step.
+        assert identical_across_ranks(model) == (step == 0)
+    optimizer.average_parameters()
+    assert_identical_across_ranks(model)
+
+
+@mpi_test()
 def test_bad_period_and_warmup_are_refused():
     model = make_model()
     for bad in (0, 1.5, True):
