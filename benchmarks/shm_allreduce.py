@@ -13,7 +13,7 @@ their range (min-max) over the repetitions. Variants, on float32:
   fill      the same, its input copied by fill from a separate array into the
             segment (what an out-of-place user call costs).
 Sections:
-  sizes   the three variants at 1, 16, 64 and 256 MiB, at --chunk-bytes;
+  sizes   the three variants at 1, 16, 64 and 256 MiB (--sizes-kib), at --chunk-bytes;
   chunks  in place and fill at 64 MiB for chunk sizes from 256 KiB to 8 MiB.
 """
 
@@ -75,13 +75,13 @@ def label(nbytes):
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
-def sizes_section(comm, chunk_bytes, repetitions):
+def sizes_section(comm, chunk_bytes, repetitions, sizes):
     reducer = SharedMemoryAllreduce(comm, chunk_bytes)
     lines = [f"Sizes (chunk_bytes = {label(chunk_bytes)}): ms, and ratios to raw "
              "taken per repetition.", "",
              "| size | raw, ms | in place, ms | fill, ms | in place / raw | fill / raw |",
              "|---|---|---|---|---|---|"]
-    for nbytes in SIZES:
+    for nbytes in sizes:
         count = nbytes // 4
         check(comm, reducer, count)
         times = alternate_times(comm, {
@@ -124,9 +124,13 @@ def main():
     parser.add_argument("--repetitions", type=int, default=11)
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     parser.add_argument("--no-chunks", action="store_true", help="only the sizes")
+    parser.add_argument("--sizes-kib", type=int, nargs="+",
+                        default=[size // KiB for size in SIZES],
+                        help="buffer sizes in KiB (default: 1, 16, 64 and 256 MiB)")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD.Dup()
-    lines = sizes_section(comm, args.chunk_bytes, args.repetitions)
+    lines = sizes_section(comm, args.chunk_bytes, args.repetitions,
+                          [size * KiB for size in args.sizes_kib])
     if not args.no_chunks:
         lines += [""] + chunks_section(comm, args.repetitions)
     if comm.rank == 0:
