@@ -58,6 +58,11 @@ class SetController:
         config = engine.config
         self.cycle_time = config.cycle_time_ms / 1000.0
         self.fusion_threshold = config.fusion_threshold
+        # fused host groups of this many bytes or more stream through shared
+        # memory (None: none do)
+        route = self.channel.host_route
+        self.streams_from = (route.min_bytes if route is not None
+                             and route.reducer is not None else None)
         self.stall_after = (None if config.stall_check_disable
                             else config.stall_check_time)
         self.cache = ResponseCache(config.cache_capacity)
@@ -224,7 +229,7 @@ class SetController:
                     entry = self.pending.get(response.name)
                     if response.kind in CACHEABLE and entry is not None:
                         self.cache.put(response, entry.signature)
-            groups += fusion.plan(fresh, self.fusion_threshold)
+            groups += fusion.plan(fresh, self.fusion_threshold, self.streams_from)
         if self.coordinator is not None and time.monotonic() >= self.stall_recheck:
             self._check_stall(engine)
         self.progressed = bool(groups)
@@ -272,7 +277,7 @@ class SetController:
         if known is None:
             ordered = list(control.bits(slots))
             known = (ordered, fusion.plan([self.cache.response(s) for s in ordered],
-                                          self.fusion_threshold))
+                                          self.fusion_threshold, self.streams_from))
             if len(self._plans) >= 64:
                 self._plans.clear()
             self._plans[key] = known

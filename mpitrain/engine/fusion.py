@@ -61,15 +61,18 @@ class Group:
         self.nbytes += nbytes
 
 
-def plan(responses, threshold):
+def plan(responses, threshold, streams_from=None):
     """Split a round's responses into groups executed together.
 
     Allreduces that reduce in the same dtype with the same op and scale
     factors share a group until it would exceed ``threshold`` bytes; an
     allreduce of ALONE_BYTES or more, which needs no conversion, is reduced
-    in its own memory; every other response runs alone. The plan depends
-    only on the responses, which are identical on every rank, so every rank
-    fuses identically.
+    in its own memory; every other response runs alone. In host memory,
+    where the set streams groups of ``streams_from`` bytes or more through
+    shared memory (without the fusion buffer's copies,
+    mpitrain.engine.streaming), large allreduces join groups that reach that
+    size. The plan depends only on the responses and the set's route, which
+    are identical on every rank, so every rank fuses identically.
     """
     groups = []
     open_groups = {}
@@ -78,7 +81,8 @@ def plan(responses, threshold):
             groups.append(Group(response))
             continue
         key, nbytes = _fusion_of(response)
-        if nbytes >= ALONE_BYTES and key[0] == dtypes.BY_CODE[response.dtype].numpy:
+        if _alone(response, nbytes, key) and not (
+                streams_from is not None and response.device < 0):
             groups.append(Group(response, nbytes))
             continue
         current = open_groups.get(key)
@@ -87,7 +91,31 @@ def plan(responses, threshold):
             groups.append(current)
         else:
             current.add(response, nbytes)
-    return groups
+    if streams_from is None:
+        return groups
+    return [part for group in groups for part in _unless_streamed(group, streams_from)]
+
+
+def _alone(response, nbytes, key):
+    """Is the allreduce large enough, and free of conversion, to skip fusion?"""
+    return nbytes >= ALONE_BYTES and key[0] == dtypes.BY_CODE[response.dtype].numpy
+
+
+def _unless_streamed(group, streams_from):
+    """A group too small to stream, without the allreduces that would have
+    gone alone: those run alone again, before the rest."""
+    if group.nbytes >= streams_from or len(group.responses) == 1:
+        return [group]
+    alone, rest = [], None
+    for response in group.responses:
+        key, nbytes = _fusion_of(response)
+        if _alone(response, nbytes, key):
+            alone.append(Group(response, nbytes))
+        elif rest is None:
+            rest = Group(response, nbytes)
+        else:
+            rest.add(response, nbytes)
+    return alone + ([rest] if rest is not None else [])
 
 
 class FusionBuffers:
