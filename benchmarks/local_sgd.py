@@ -32,13 +32,10 @@ import mpitrain.torch as hvd
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "examples"))
 from pytorch_digits import datasets, network  # noqa: E402
+from pytorch_local_sgd_digits import local_sgd_bytes, nbytes  # noqa: E402
 
 BATCH, LR, MOMENTUM = 32, 0.01, 0.9
 BASELINE = "gradients every step"
-
-
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def train(period, epochs, warmup_epochs, train_set, test_set):
@@ -56,8 +53,6 @@ def train(period, epochs, warmup_epochs, train_set, test_set):
     else:
         optimizer = hvd.LocalSGDOptimizer(optimizer, model.named_parameters(), period=period,
                                           warmup_steps=warmup)
-    parameter_bytes = nbytes(model.parameters())
-    sent, steps = 0, 0
     hvd.barrier()
     started = time.perf_counter()
     for epoch in range(epochs):
@@ -66,15 +61,12 @@ def train(period, epochs, warmup_epochs, train_set, test_set):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(images), labels).backward()
             optimizer.step()
-            steps += 1
-            if period is None or steps <= warmup:
-                sent += parameter_bytes                 # every gradient, once
-            elif (steps - warmup) % period == 0:
-                sent += parameter_bytes                 # every parameter, once
     if period is not None:
         optimizer.average_parameters()
-        sent += parameter_bytes
     seconds = time.perf_counter() - started
+    parameter_bytes, steps = nbytes(model.parameters()), epochs * len(batches)
+    sent = (parameter_bytes * steps if period is None
+            else local_sgd_bytes(parameter_bytes, steps, warmup, period))
     return accuracy(model, test_set), sent, seconds
 
 

@@ -56,6 +56,24 @@ def test_pytorch_sharded_digits(tmp_path):
     assert seconds < TWO_MINUTES
 
 
+def test_pytorch_local_sgd_digits_sends_a_third_of_the_bytes():
+    stdout, seconds = run_example(2, "pytorch_local_sgd_digits.py")
+    assert final_accuracy(stdout) >= 0.9
+    steps = re.search(r"^(\d+) steps: (\d+) synchronous, (\d+) local with (\d+) averages "
+                      r"of the parameters$", stdout, re.M)
+    sent = re.search(r"^bytes sent per rank: (\d+) against (\d+) averaging the gradients "
+                     r"every step \(([\d.]+) of it\)$", stdout, re.M)
+    assert steps and sent, stdout[-2000:]
+    total, synchronous, local, averages = map(int, steps.groups())
+    assert synchronous + local == total and total == 15 * synchronous    # one warm-up epoch
+    assert averages == local // 4 + 1              # every 4 steps, and once at the end
+    model_bytes = 4 * 38282                 # pytorch_digits.network()'s float32 parameters
+    assert int(sent.group(2)) == total * model_bytes
+    assert int(sent.group(1)) == (synchronous + averages) * model_bytes
+    assert float(sent.group(3)) == pytest.approx((synchronous + averages) / total, abs=1e-3)
+    assert seconds < TWO_MINUTES
+
+
 def test_pytorch_amp_digits_in_bfloat16_and_the_float16_grad_scaler_recipe():
     stdout, seconds = run_example(2, "pytorch_amp_digits.py")
     assert final_accuracy(stdout) >= 0.9
