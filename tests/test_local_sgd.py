@@ -13,6 +13,7 @@ import mpitrain.torch as hvd
 from mpitrain.torch.local_sgd import AVERAGE_NAME
 from tests.mpi_harness import mpi_test
 from tests.test_mixed_precision import TF_ENV, keras_modules
+from tests.test_torch_buckets import step_beside_one_process
 from tests.test_torch_optimizer import (ROWS, assert_close, assert_identical_across_ranks,
                                         batch, make_model)
 
@@ -89,7 +90,6 @@ def test_k_local_steps_then_the_average_of_independent_trainings():
 
 @mpi_test()
 def test_warmup_steps_average_gradients_then_ranks_step_on_their_own():
-    r, n = hvd.rank(), hvd.size()
     model, reference = make_model(), make_model()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     optimizer = hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -97,14 +97,7 @@ def test_warmup_steps_average_gradients_then_ranks_step_on_their_own():
                                       period=4, warmup_steps=2)
     for step in range(2):
         assert not optimizer.local_phase
-        x, y = batch(step, n * ROWS)
-        reference_optimizer.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        reference_optimizer.step()
-        optimizer.zero_grad()
-        F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]).backward()
-        optimizer.step()
-        assert_close(model, reference)
+        step_beside_one_process(model, optimizer, reference, reference_optimizer, step)
         assert_identical_across_ranks(model)
     assert optimizer.local_phase
     local_step(model, optimizer, 2)

@@ -53,6 +53,20 @@ def train(make_optimizer, **options):
     return check_against_one_process(make_optimizer, model_factory=make_model, **options)
 
 
+def step_beside_one_process(model, optimizer, reference, reference_optimizer, step):
+    """One step of `reference` on the step's whole batch and one of `model`
+    on this rank's rows of it; then the two must hold the same parameters."""
+    r, n = hvd.rank(), hvd.size()
+    x, y = batch(step, n * ROWS)
+    reference_optimizer.zero_grad()
+    F.mse_loss(reference(x), y).backward()
+    reference_optimizer.step()
+    optimizer.zero_grad()
+    F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]).backward()
+    optimizer.step()
+    assert_close(model, reference)
+
+
 def assert_in_one_bucket(model):
     """Every small p.grad is a view of one flat tensor holding them all; the
     large one has its own memory."""
@@ -183,23 +197,15 @@ def test_sum_predivide_and_groups_with_buckets():
 
 @mpi_test(np=(2, 3))
 def test_ranks_listing_parameters_in_other_orders_form_rank_0s_buckets():
-    r, n = hvd.rank(), hvd.size()
     reference, model = make_model(), make_model()
     named = list(model.named_parameters())
-    if r > 0:
+    if hvd.rank() > 0:
         named.reverse()
     reference_optimizer = sgd(reference.parameters())
     optimizer = hvd.DistributedOptimizer(sgd([p for _, p in named]),
                                          named_parameters=named)
     for step in range(4):
-        x, y = batch(step, n * ROWS)
-        reference_optimizer.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        reference_optimizer.step()
-        optimizer.zero_grad()
-        F.mse_loss(model(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]).backward()
-        optimizer.step()
-        assert_close(model, reference)
+        step_beside_one_process(model, optimizer, reference, reference_optimizer, step)
     assert_identical_across_ranks(model)
 
 
