@@ -16,6 +16,7 @@ the largest difference between the two models' parameters at the end.
 """
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -23,20 +24,11 @@ import torch
 import torch.nn.functional as F
 
 import mpitrain.torch as hvd
+from train_step import CLASSES, INPUTS, build_model
 
-BATCH, INPUTS, CLASSES = 32, 1024, 10
+BATCH = 32
 OPTIMIZERS = {"adam": (torch.optim.Adam, dict(lr=1e-4)),
               "sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9))}
-
-
-def build_model(width, depth):
-    torch.manual_seed(0)
-    layers, inputs = [], INPUTS
-    for _ in range(depth):
-        layers += [torch.nn.Linear(inputs, width), torch.nn.ReLU()]
-        inputs = width
-    layers.append(torch.nn.Linear(inputs, CLASSES))
-    return torch.nn.Sequential(*layers)
 
 
 def state_bytes(optimizer):
@@ -70,8 +62,9 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     optimizer_class, options = OPTIMIZERS[args.optimizer]
-    distributed_model, sharded_model = (build_model(args.width, args.depth),
-                                        build_model(args.width, args.depth))
+    torch.manual_seed(0)
+    distributed_model = build_model(args.width, args.depth)
+    sharded_model = copy.deepcopy(distributed_model)
     modes = {
         "distributed": (distributed_model, hvd.DistributedOptimizer(
             optimizer_class(distributed_model.parameters(), **options),
