@@ -1,6 +1,6 @@
 """Handwritten digits in mixed precision: autocast, GradScaler and no_sync().
 
-    mpitrainrun -np 2 python examples/pytorch_amp_digits.py [--dtype float16]
+    .venv/bin/mpitrainrun -np 2 python examples/pytorch_amp_digits.py [--dtype float16]
 
 The network, data and shards of pytorch_digits.py, trained under
 torch.autocast. With float16 a GradScaler scales the loss, and sees the

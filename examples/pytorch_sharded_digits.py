@@ -1,6 +1,6 @@
 """Handwritten digits with the optimizer state sharded across ranks (ZeRO-1).
 
-    mpitrainrun -np 2 python examples/pytorch_sharded_digits.py
+    .venv/bin/mpitrainrun -np 2 python examples/pytorch_sharded_digits.py
 
 The same data and network as pytorch_digits.py, trained with Adam through
 ShardedOptimizer: each rank keeps Adam's moments for only its share of the
