@@ -6,73 +6,43 @@ through the numpy core, and each rank decompresses them all and sums in
 rank order, so every rank holds the same result.
 """
 
-import math
-
 import numpy as np
 
 import mpitrain as mt
+from mpitrain.api.compression import (CompressorSettings, OneBitSettings, QuantizeSettings,
+                                      TopKSettings, check_gathered_shapes, padded_shape)
 
-DEFAULT_MIN_ELEMENTS = 1024
 
-
-class GradientCompressor:
+class GradientCompressor(CompressorSettings):
     """compress(array, name) -> (payload, context); decompress(payload, context);
-    exchange(array, name, process_set) -> (sum over ranks, this rank's part)."""
-
-    def __init__(self, min_elements=DEFAULT_MIN_ELEMENTS):
-        if isinstance(min_elements, bool) or not isinstance(min_elements, int) \
-                or min_elements < 0:
-            raise ValueError(f"min_elements must be a whole number >= 0, got "
-                             f"{min_elements!r}")
-        self.min_elements = min_elements
-        self.bytes_sent = 0
+    exchange(array, name, process_set) -> (sum over ranks, this rank's part);
+    state(name) / load_state(name, state, own): numpy arrays for checkpoints."""
 
     def applies_to(self, shape):
         """Is a gradient of ``shape`` compressed when chosen for the whole model?"""
-        shape = tuple(shape)
-        return len(shape) >= 2 and int(np.prod(shape)) >= max(1, self.min_elements)
+        return self.takes_shape(shape)
 
     def exchange(self, array, name, process_set):
         payload, context = self.compress(array, name)
         # The shape travels too (see mpitrain/torch/compression/base.py).
-        sent = list(payload) + [np.array(_padded_shape(array.shape), np.int64)]
+        sent = list(payload) + [np.array(padded_shape(array.shape), np.int64)]
         self.bytes_sent += sum(part.nbytes for part in sent)
         *gathered, shapes = mt.synchronize(mt.grouped_allgather_async(
             sent, f"{name}.{type(self).__name__}", process_set))
         size = process_set.size()
-        shapes = [tuple(int(d) for d in shape if d >= 0) for shape in shapes.reshape(size, -1)]
-        if len(set(shapes)) > 1:
-            raise ValueError(f"the gradient '{name}' differs in shape between ranks: "
-                             + ", ".join(f"rank {rank}: {list(shape)}"
-                                         for rank, shape in enumerate(shapes)))
+        check_gathered_shapes(shapes.reshape(size, -1).tolist(), name)
         parts = [part.reshape(size, -1) for part in gathered]
         total = sum(self.decompress(tuple(part[rank] for part in parts), context)
                     for rank in range(size))
         return total, self.decompress(payload, context)
 
 
-def _padded_shape(shape, length=8):
-    record = list(shape[:length - 1])
-    if len(shape) >= length:
-        record.append(math.prod(shape[length - 1:]))
-    return record + [-1] * (length - len(record))
-
-
-class TopK(GradientCompressor):
+class TopK(TopKSettings, GradientCompressor):
     """The entries largest in magnitude: a fraction (float) or a count (int)."""
-
-    def __init__(self, amount, min_elements=DEFAULT_MIN_ELEMENTS):
-        super().__init__(min_elements)
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) \
-                or not (0 < amount <= 1 if isinstance(amount, float) else amount >= 1):
-            raise ValueError("topk takes a fraction in (0, 1] (a float) or a count >= 1 "
-                             f"(an int), got {amount!r}")
-        self.amount = amount
 
     def compress(self, array, name=None):
         flat = array.reshape(-1)
-        k = (max(1, min(flat.size, round(self.amount * flat.size)))
-             if isinstance(self.amount, float) else min(flat.size, self.amount))
+        k = self.count(flat.size)
         indices = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
         return (flat[indices], indices.astype(np.int32)), (array.shape, array.dtype)
 
@@ -88,12 +58,8 @@ def _chunked(flat, chunk_size):
     return np.pad(flat, (0, -flat.size % chunk_size)).reshape(-1, chunk_size)
 
 
-class OneBit(GradientCompressor):
+class OneBit(OneBitSettings, GradientCompressor):
     """Sign bits and the mean magnitude of each chunk (None: of the tensor)."""
-
-    def __init__(self, chunk_size=512, min_elements=DEFAULT_MIN_ELEMENTS):
-        super().__init__(min_elements)
-        self.chunk_size = chunk_size
 
     def compress(self, array, name=None):
         flat = array.reshape(-1)
@@ -112,16 +78,8 @@ class OneBit(GradientCompressor):
         return (signs * np.repeat(scales, size)[:count]).astype(dtype).reshape(shape)
 
 
-class Quantize(GradientCompressor):
+class Quantize(QuantizeSettings, GradientCompressor):
     """Codes of 8 bits (-127..127) or 4 bits (-7..7, two to a byte), a scale per chunk."""
-
-    def __init__(self, bits, chunk_size=512, min_elements=DEFAULT_MIN_ELEMENTS):
-        super().__init__(min_elements)
-        if bits not in (4, 8):
-            raise ValueError(f"quantization takes bits=8 or bits=4, got {bits!r}")
-        self.bits = bits
-        self.levels = 2 ** (bits - 1) - 1
-        self.chunk_size = chunk_size
 
     def compress(self, array, name=None):
         flat = array.reshape(-1)

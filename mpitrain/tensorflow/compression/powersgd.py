@@ -3,20 +3,15 @@
 import numpy as np
 
 import mpitrain as mt
+from mpitrain.api.compression import PowerSGDSettings
 from mpitrain.ops import Sum
-from mpitrain.tensorflow.compression.gathered import DEFAULT_MIN_ELEMENTS, GradientCompressor
+from mpitrain.tensorflow.compression.gathered import GradientCompressor
 
 
-class PowerSGD(GradientCompressor):
+class PowerSGD(PowerSGDSettings, GradientCompressor):
     """Two factors of ``rank`` columns, summed by two allreduces; Q warm-starts."""
 
-    def __init__(self, rank=4, min_elements=DEFAULT_MIN_ELEMENTS, seed=0):
-        super().__init__(min_elements)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"powersgd takes a rank >= 1, got {rank!r}")
-        self.rank = rank
-        self.seed = seed
-        self.q = {}
+    copy = staticmethod(np.array)
 
     def _start_q(self, name, matrix):
         rows, columns = matrix.shape

@@ -8,7 +8,8 @@ and ``powersgd`` move their payloads themselves (see base.py); all but
 See docs/compression.md.
 """
 
-from mpitrain.torch.compression.base import DEFAULT_MIN_ELEMENTS, GradientCompressor
+from mpitrain.api.compression import CompressionFactories
+from mpitrain.torch.compression.base import GradientCompressor
 from mpitrain.torch.compression.casts import (BF16Compressor, Compressor, FP16Compressor,
                                               NoneCompressor)
 from mpitrain.torch.compression.error_feedback import ErrorFeedback
@@ -18,41 +19,17 @@ from mpitrain.torch.compression.sign import OneBit
 from mpitrain.torch.compression.topk import TopK
 
 
-def _with_feedback(compressor, error_feedback):
-    return ErrorFeedback(compressor) if error_feedback else compressor
-
-
-class Compression:
+class Compression(CompressionFactories):
     """The compressors to pass as ``compression=``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
-
-    @staticmethod
-    def topk(amount, error_feedback=True, min_elements=DEFAULT_MIN_ELEMENTS):
-        """The largest entries: a fraction (0.01) or a count (1000) of each gradient."""
-        return _with_feedback(TopK(amount, min_elements), error_feedback)
-
-    @staticmethod
-    def onebit(chunk_size=512, error_feedback=True, min_elements=DEFAULT_MIN_ELEMENTS):
-        """Signs, with a mean magnitude per chunk (None: per tensor)."""
-        return _with_feedback(OneBit(chunk_size, min_elements), error_feedback)
-
-    @staticmethod
-    def int8(chunk_size=512, error_feedback=True, min_elements=DEFAULT_MIN_ELEMENTS):
-        return _with_feedback(Quantize(8, chunk_size, min_elements), error_feedback)
-
-    @staticmethod
-    def int4(chunk_size=512, error_feedback=True, min_elements=DEFAULT_MIN_ELEMENTS):
-        return _with_feedback(Quantize(4, chunk_size, min_elements), error_feedback)
-
-    @staticmethod
-    def powersgd(rank=4, error_feedback=True, min_elements=DEFAULT_MIN_ELEMENTS):
-        """Two factors of ``rank`` columns, warm-started from the last step."""
-        return _with_feedback(PowerSGD(rank, min_elements), error_feedback)
-
     error_feedback = ErrorFeedback
+    topk_class = TopK
+    onebit_class = OneBit
+    quantize_class = Quantize
+    powersgd_class = PowerSGD
 
 
 __all__ = ["BF16Compressor", "Compression", "Compressor", "ErrorFeedback",

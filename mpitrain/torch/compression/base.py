@@ -8,16 +8,13 @@ submits its own collectives through mpitrain's public ops and hands back an
 exchange to wait on.
 """
 
-import math
-
 import torch
 
+from mpitrain.api.compression import CompressorSettings, check_gathered_shapes, padded_shape
 from mpitrain.torch.ops import grouped_allgather_async
 
-DEFAULT_MIN_ELEMENTS = 1024
 
-
-class GradientCompressor:
+class GradientCompressor(CompressorSettings):
     """Compresses gradients and moves them between ranks itself.
 
     ``compress(tensor, name)`` gives (payload, context), a tuple of tensors
@@ -32,17 +29,9 @@ class GradientCompressor:
     (see DistributedOptimizer's ``compression``).
     """
 
-    def __init__(self, min_elements=DEFAULT_MIN_ELEMENTS):
-        if isinstance(min_elements, bool) or not isinstance(min_elements, int) \
-                or min_elements < 0:
-            raise ValueError(f"min_elements must be a whole number >= 0, got "
-                             f"{min_elements!r}")
-        self.min_elements = min_elements
-        self.bytes_sent = 0         # by this rank, summed over every exchange
-
     def applies_to(self, p):
         """Is ``p`` compressed when this compressor is chosen for the whole model?"""
-        return p.dim() >= 2 and p.numel() >= max(1, self.min_elements)
+        return self.takes_shape(p.shape)
 
     def compress(self, tensor, name=None):
         raise NotImplementedError
@@ -62,29 +51,12 @@ class GradientCompressor:
         payload, context = self.compress(tensor, name)
         # The shape travels too: allgather takes payloads of any length, so a
         # rank whose tensor differs would otherwise be sliced wrongly, silently.
-        shape = torch.tensor(_padded_shape(tensor.shape), device=tensor.device)
+        shape = torch.tensor(padded_shape(tensor.shape), device=tensor.device)
         sent = list(payload) + [shape]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in sent)
         handle = grouped_allgather_async(sent, f"{name}.{type(self).__name__}",
                                          process_set)
         return GatheredExchange(self, handle, payload, context, name, process_set.size())
-
-    def state(self, name):
-        """The tensors to keep in the optimizer's state_dict for ``name``."""
-        return {}
-
-    def load_state(self, name, state, own):
-        """Take back ``state(name)``; ``own``: it was saved by this rank."""
-
-
-def _padded_shape(shape, length=8):
-    """A shape as ``length`` integers, the same count on every rank so that the
-    gathered shapes slice apart by rank: -1 pads, and dimensions beyond the
-    last slot are multiplied into it."""
-    record = list(shape[:length - 1])
-    if len(shape) >= length:
-        record.append(math.prod(shape[length - 1:]))
-    return record + [-1] * (length - len(record))
 
 
 class GatheredExchange:
@@ -103,12 +75,7 @@ class GatheredExchange:
 
     def wait(self):
         *gathered, shapes = self._handle.wait()
-        shapes = [tuple(d for d in shape.tolist() if d >= 0)
-                  for shape in shapes.view(self._size, -1)]
-        if len(set(shapes)) > 1:
-            raise ValueError(f"the gradient '{self._name}' differs in shape between "
-                             "ranks: " + ", ".join(f"rank {rank}: {list(shape)}"
-                                                   for rank, shape in enumerate(shapes)))
+        check_gathered_shapes(shapes.view(self._size, -1).tolist(), self._name)
         # Every rank's payload has the same shapes (the tensors' match), so
         # rank i's part of each concatenation is its i-th equal slice.
         parts = [t.view(self._size, -1) for t in gathered]

@@ -6,56 +6,24 @@ over the steps every part of every gradient is sent, only late. The
 residuals are this rank's own; they are part of the optimizer's state_dict.
 """
 
+from mpitrain.api.compression import ErrorFeedbackSettings
 from mpitrain.torch.compression.base import GradientCompressor
 
 
-class ErrorFeedback(GradientCompressor):
+class ErrorFeedback(ErrorFeedbackSettings, GradientCompressor):
     """Wraps a GradientCompressor, keeping a residual per parameter name."""
 
-    def __init__(self, compressor):
-        if not isinstance(compressor, GradientCompressor):
-            raise TypeError("error feedback wraps a GradientCompressor (such as "
-                            f"Compression.topk(0.01)), got {compressor!r}")
-        self.compressor = compressor
-        self.residuals = {}         # name -> residual, shaped like the gradient
+    wraps = GradientCompressor
 
-    @property
-    def min_elements(self):
-        return self.compressor.min_elements
-
-    @property
-    def bytes_sent(self):
-        return self.compressor.bytes_sent
-
-    def applies_to(self, p):
-        return self.compressor.applies_to(p)
-
-    def compress(self, tensor, name=None):
-        return self.compressor.compress(tensor, name)
-
-    def decompress(self, payload, context):
-        return self.compressor.decompress(payload, context)
+    @staticmethod
+    def copy(tensor):
+        return tensor.clone()
 
     def start(self, tensor, name, process_set):
         residual = self.residuals.get(name)
         corrected = tensor if residual is None else tensor + residual
         return ResidualExchange(self, self.compressor.start(corrected, name, process_set),
                                 corrected, name)
-
-    def state(self, name):
-        state = dict(self.compressor.state(name))
-        if name in self.residuals:
-            state["residual"] = self.residuals[name]
-        return state
-
-    def load_state(self, name, state, own):
-        # Another rank's residual is its own error, not this rank's: keep ours.
-        if own and "residual" in state:
-            self.residuals[name] = state["residual"].clone()
-        self.compressor.load_state(name, state, own)
-
-    def __repr__(self):
-        return f"Compression.error_feedback({self.compressor!r})"
 
 
 class ResidualExchange:

@@ -36,7 +36,3 @@ def per_element(per_chunk, chunk_size, count):
     """A value per chunk repeated over the chunk's elements."""
     return per_chunk.repeat_interleave(chunk_size)[:count]
 
-
-def check_chunk_size(chunk_size):
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a whole number >= 1, got {chunk_size!r}")

@@ -9,25 +9,22 @@ warm start): identical on every rank, it is part of the optimizer's state.
 
 import torch
 
+from mpitrain.api.compression import PowerSGDSettings
 from mpitrain.ops import Sum
-from mpitrain.torch.compression.base import DEFAULT_MIN_ELEMENTS, GradientCompressor
+from mpitrain.torch.compression.base import GradientCompressor
 from mpitrain.torch.ops import allreduce_async
 
 
-class PowerSGD(GradientCompressor):
+class PowerSGD(PowerSGDSettings, GradientCompressor):
     """Sends two factors of ``rank`` columns: (rows + columns) * rank numbers."""
 
-    def __init__(self, rank=4, min_elements=DEFAULT_MIN_ELEMENTS, seed=0):
-        super().__init__(min_elements)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"powersgd takes a rank >= 1, got {rank!r}")
-        self.rank = rank
-        self.seed = seed
-        self._q = {}                # name -> the last summed Q
+    @staticmethod
+    def copy(q):
+        return q.clone()
 
     def _start_q(self, name, matrix):
         rows, columns = matrix.shape
-        q = self._q.get(name)
+        q = self.q.get(name)
         if q is None or q.shape[0] != columns:
             # Every rank draws the same Q.
             generator = torch.Generator().manual_seed(self.seed)
@@ -51,16 +48,6 @@ class PowerSGD(GradientCompressor):
                                  process_set=process_set)
         self.bytes_sent += p.numel() * p.element_size()
         return PowerSGDExchange(self, handle, matrix, tensor.shape, name, process_set)
-
-    def state(self, name):
-        return {} if name not in self._q else {"powersgd_q": self._q[name]}
-
-    def load_state(self, name, state, own):
-        if "powersgd_q" in state:
-            self._q[name] = state["powersgd_q"].clone()
-
-    def __repr__(self):
-        return f"Compression.powersgd(rank={self.rank})"
 
 
 class PowerSGDExchange:
@@ -86,7 +73,7 @@ class PowerSGDExchange:
         compressor.bytes_sent += q.numel() * q.element_size()
         total_q = allreduce_async(q, name=f"{self._name}.PowerSGD.Q", op=Sum,
                                   process_set=self._process_set).wait()
-        compressor._q[self._name] = total_q
+        compressor.q[self._name] = total_q
         return (p @ total_q.t()).view(self._shape)
 
 

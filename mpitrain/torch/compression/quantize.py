@@ -2,26 +2,17 @@
 
 import torch
 
-from mpitrain.torch.compression.base import DEFAULT_MIN_ELEMENTS, GradientCompressor
-from mpitrain.torch.compression.packing import (check_chunk_size, chunked, pack_nibbles,
-                                                per_element, unpack_nibbles)
+from mpitrain.api.compression import QuantizeSettings
+from mpitrain.torch.compression.base import GradientCompressor
+from mpitrain.torch.compression.packing import chunked, pack_nibbles, per_element, unpack_nibbles
 
 
-class Quantize(GradientCompressor):
+class Quantize(QuantizeSettings, GradientCompressor):
     """Rounds each entry to one of 2 * levels + 1 steps of its chunk's max magnitude.
 
     8 bits: int8 codes in -127..127; 4 bits: -7..7, stored as 1..15 and
     packed two to a byte. Each chunk's scale (max|x| / levels) goes as float32.
     """
-
-    def __init__(self, bits, chunk_size=512, min_elements=DEFAULT_MIN_ELEMENTS):
-        super().__init__(min_elements)
-        if bits not in (4, 8):
-            raise ValueError(f"quantization takes bits=8 or bits=4, got {bits!r}")
-        check_chunk_size(chunk_size)
-        self.bits = bits
-        self.levels = 2 ** (bits - 1) - 1
-        self.chunk_size = chunk_size
 
     def compress(self, tensor, name=None):
         flat = tensor.reshape(-1)
@@ -45,6 +36,3 @@ class Quantize(GradientCompressor):
         else:
             codes = unpack_nibbles(packed, count).to(torch.float32) - 8
         return (codes * per_element(scales, self.chunk_size, count)).to(dtype).view(shape)
-
-    def __repr__(self):
-        return f"Compression.int{self.bits}(chunk_size={self.chunk_size!r})"

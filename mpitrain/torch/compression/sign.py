@@ -2,24 +2,18 @@
 
 import torch
 
-from mpitrain.torch.compression.base import DEFAULT_MIN_ELEMENTS, GradientCompressor
-from mpitrain.torch.compression.packing import (check_chunk_size, chunked, pack_bits,
-                                                per_element, unpack_bits)
+from mpitrain.api.compression import OneBitSettings
+from mpitrain.torch.compression.base import GradientCompressor
+from mpitrain.torch.compression.packing import chunked, pack_bits, per_element, unpack_bits
 
 
-class OneBit(GradientCompressor):
+class OneBit(OneBitSettings, GradientCompressor):
     """Sends sign bits and, per chunk, the mean magnitude (float32).
 
     sign(x) * mean|x| is the closest multiple of sign(x) to x in the least
     squares sense; what it loses is large, so use it with error feedback.
     ``chunk_size=None`` gives one scale per tensor.
     """
-
-    def __init__(self, chunk_size=512, min_elements=DEFAULT_MIN_ELEMENTS):
-        super().__init__(min_elements)
-        if chunk_size is not None:
-            check_chunk_size(chunk_size)
-        self.chunk_size = chunk_size
 
     def compress(self, tensor, name=None):
         flat = tensor.reshape(-1)
@@ -38,6 +32,3 @@ class OneBit(GradientCompressor):
         count = shape.numel()
         signs = unpack_bits(bits, count).to(torch.float32) * 2 - 1
         return (signs * per_element(scales, size, count)).to(dtype).view(shape)
-
-    def __repr__(self):
-        return f"Compression.onebit(chunk_size={self.chunk_size!r})"
