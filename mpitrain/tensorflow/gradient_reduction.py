@@ -3,6 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
+from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, ReduceOp, Sum
 from mpitrain.tensorflow import graph_op
@@ -49,6 +50,42 @@ class GradientReducer:
         self.packed = PackedReducer()
         self.local = set()        # ids of variables whose gradients stay on this rank
         self.scale_local = scale_local_gradients
+        # By the gradient's position, which a rebuilt model keeps, unlike its
+        # Keras paths (layer names count up within a process).
+        self.compressors = {}     # position -> (key, the GradientCompressor used)
+        self.loaded = {}          # position -> (state, own) for gradients not reduced yet
+
+    def compression_state(self):
+        """The compressors' residuals and PowerSGD's Q as numpy arrays, with this
+        rank: {"rank": r, "parameters": {position: {field: array}}}, or None."""
+        parameters = {str(i): compressor.state(key)
+                      for i, (key, compressor) in self.compressors.items()}
+        parameters = {i: state for i, state in parameters.items() if state}
+        return ({"rank": self.process_set.rank(), "parameters": parameters}
+                if parameters else None)
+
+    def load_compression_state(self, saved):
+        """Take back ``compression_state()``'s result, saved on any rank: Q on
+        every rank, residuals only on the rank that saved them (another rank's
+        residual is that rank's error; every rank adding it would count it n
+        times). State for gradients not reduced yet waits for their first step."""
+        own = saved["rank"] == self.process_set.rank()
+        for i, state in saved["parameters"].items():
+            if int(i) in self.compressors:
+                key, compressor = self.compressors[int(i)]
+                compressor.load_state(key, state, own)
+            else:
+                self.loaded[int(i)] = (state, own)
+
+    def broadcast_compression_state(self, root_rank):
+        """Give every rank root_rank's Q (residuals stay each rank's own)."""
+        if self.choose is None:     # no compressor of that kind: nothing to send
+            return
+        saved = broadcast_object(self.compression_state() if
+                                 self.process_set.rank() == root_rank else None,
+                                 root_rank, "mpitrain.compression.state", self.process_set)
+        if saved is not None:
+            self.load_compression_state(saved)
 
     def register_local(self, variable):
         """Keep ``variable``'s gradient local (divided by the set's size when
@@ -101,6 +138,11 @@ class GradientReducer:
         divisor = self.process_set.size() if self.op == Average else 1
         # Unnamed tf.Variables share a name: the position keeps their state apart.
         key = f"{i}.{name}"
+        self.compressors[i] = (key, compressor)
+        if i in self.loaded:
+            state, own = self.loaded.pop(i)
+            _check_saved_shape(state, name, gradient.shape)
+            compressor.load_state(key, state, own)
 
         def body(arrays):
             total, _ = compressor.exchange(arrays[0], key, self.process_set)
@@ -151,6 +193,16 @@ class GradientReducer:
         for i in indices:
             split[group_of.get(id(variables[i]), len(self.groups))].append(i)
         return [members for members in split if members]
+
+
+def _check_saved_shape(state, name, shape):
+    """ValueError (on every rank: each holds the saved state) if a checkpoint's
+    residual does not fit the gradient it is loaded for."""
+    residual = state.get("residual")
+    if residual is not None and tuple(residual.shape) != tuple(shape):
+        raise ValueError(f"the saved compression residual for '{name}' has shape "
+                         f"{list(residual.shape)}, its gradient {list(shape)}: the "
+                         "checkpoint is of another model")
 
 
 def local_weights(local_layers):

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import mpitrain as mt
 from mpitrain.tensorflow.broadcast import broadcast_variables
+from mpitrain.tensorflow.keras.optimizer import gradient_reducer
 from mpitrain.tensorflow.keras.variables import optimizer_variables
 
 
@@ -15,7 +16,9 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
 
     Broadcasts when training begins (Keras has built the model and optimizer
     by then), so the first step already starts from identical weights; an
-    optimizer still unbuilt then is broadcast after the first batch.
+    optimizer still unbuilt then is broadcast after the first batch. A
+    DistributedOptimizer's compression state comes too: root_rank's PowerSGD
+    Q on every rank; residuals stay each rank's own (see docs/compression.md).
     """
 
     def __init__(self, root_rank, device="", local_variables=None):
@@ -32,6 +35,9 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         optimizer = optimizer_variables(getattr(self.model, "optimizer", None))
         self._broadcast(list(self.model.variables) + optimizer)
         self.optimizer_done = bool(optimizer)
+        reducer = gradient_reducer(getattr(self.model, "optimizer", None))
+        if reducer is not None:
+            reducer.broadcast_compression_state(self.root_rank)
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.optimizer_done:

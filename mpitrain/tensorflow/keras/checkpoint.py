@@ -1,8 +1,9 @@
 """Saving a Keras model's training state from rank 0, and resuming from it.
 
 The file's payload is an .npz archive of plain arrays (the model's weights,
-then the optimizer's variables) plus ``extra`` as JSON, so loading it runs
-no pickle.
+then the optimizer's variables, then the root's compression state: error
+feedback's residuals and PowerSGD's Q) plus ``extra`` and the index of the
+compression arrays as JSON, so loading it runs no pickle.
 """
 
 import io
@@ -12,6 +13,7 @@ import numpy as np
 
 from mpitrain.api import checkpoint
 from mpitrain.tensorflow.broadcast import broadcast_variables
+from mpitrain.tensorflow.keras.optimizer import gradient_reducer
 from mpitrain.tensorflow.keras.variables import optimizer_variables
 
 
@@ -27,8 +29,11 @@ def save_checkpoint(path, model, optimizer=None, root_rank=0, **extra):
         arrays = {f"model.{i}": w for i, w in enumerate(model.get_weights())}
         arrays.update({f"optimizer.{i}": np.asarray(v) for i, v
                        in enumerate(optimizer_variables(optimizer))})
+        index, compression = _compression_arrays(optimizer)
+        arrays.update({f"compression.{i}": value for i, value in enumerate(compression)})
         buffer = io.BytesIO()
-        np.savez(buffer, extra=np.array(json.dumps(extra)), **arrays)
+        np.savez(buffer, extra=np.array(json.dumps(extra)),
+                 compression=np.array(json.dumps(index)), **arrays)
         return buffer.getvalue()
 
     checkpoint.save_on_root(path, serialize, root_rank)
@@ -51,6 +56,7 @@ def load_checkpoint(path, model, optimizer=None, root_rank=0):
         with np.load(io.BytesIO(payload), allow_pickle=False) as saved:
             weights, state = _numbered(saved, "model"), _numbered(saved, "optimizer")
             extra = json.loads(str(saved["extra"]))
+            compression = _compression_state(saved)
         parts = [("model", list(model.weights), weights)]
         if optimizer is not None and state:
             # Built with zeros, as every rank's is at its first step, even if
@@ -62,13 +68,42 @@ def load_checkpoint(path, model, optimizer=None, root_rank=0):
         for _, variables, values in parts:
             for variable, value in zip(variables, values):
                 variable.assign(value)
-        return {"extra": extra, "optimizer_state": bool(state)}
+        return {"extra": extra, "optimizer_state": bool(state), "compression": compression}
 
+    # read_on_root hands the root's result, compression state included, to every rank.
     found, restored = checkpoint.read_on_root(path, restore, root_rank)
     if restored and restored["optimizer_state"] and optimizer is not None:
         _build(optimizer, model)             # every rank, so the variables match
+    reducer = gradient_reducer(optimizer)
+    if restored and restored["compression"] and reducer is not None:
+        reducer.load_compression_state(restored["compression"])
     broadcast_variables(list(model.variables) + optimizer_variables(optimizer), root_rank)
     return restored["extra"] if found else None
+
+
+def _compression_arrays(optimizer):
+    """A DistributedOptimizer's compression state as an index for JSON (the
+    rank, and each array's key and field) and the arrays, in its order:
+    Keras paths hold "/", which an .npz name cannot."""
+    reducer = gradient_reducer(optimizer)
+    state = reducer.compression_state() if reducer is not None else None
+    if state is None:
+        return {}, []
+    fields = [(key, field, value) for key, values in state["parameters"].items()
+              for field, value in values.items()]
+    return ({"rank": state["rank"], "fields": [[key, field] for key, field, _ in fields]},
+            [np.asarray(value) for _, _, value in fields])
+
+
+def _compression_state(saved):
+    """_compression_arrays' state back, or None (none saved, or an older file)."""
+    index = json.loads(str(saved["compression"])) if "compression" in saved.files else {}
+    if "rank" not in index:
+        return None
+    parameters = {}
+    for (key, field), value in zip(index["fields"], _numbered(saved, "compression")):
+        parameters.setdefault(key, {})[field] = value
+    return {"rank": index["rank"], "parameters": parameters}
 
 
 def _numbered(saved, prefix):

@@ -106,6 +106,12 @@ def distributed_class(base):
     return type(base.__name__, (base,), methods)
 
 
+def gradient_reducer(optimizer):
+    """A DistributedOptimizer's GradientReducer (its compressors' state), else None."""
+    distribution = getattr(optimizer, "_mpitrain", None)
+    return None if distribution is None else distribution.reducer
+
+
 def _register_local_var(self, var):
     """Keep ``var``'s gradient local to this rank (it is not reduced)."""
     self._mpitrain.reducer.register_local(var)
