@@ -176,17 +176,24 @@ def test_keras_checkpoint_carries_residuals_and_q_and_resumes_like_straight_thro
         np.testing.assert_array_equal(got, want)
     assert_same_on_every_rank(resumed.get_weights())
 
-    # The broadcast callback gives every rank the root's Q; residuals stay each rank's.
-    saved_q = powersgd.compressor.q
-    (q_key, q), = saved_q.items()
-    saved_q[q_key] = q + hvd.rank()
-    (key, residual), = topk.residuals.items()
-    mine = residual.copy()
-    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
-    callback.set_model(resumed)
-    callback.on_train_begin()
-    np.testing.assert_array_equal(topk.residuals[key], mine)
-    everyone = hvd.allgather_object(saved_q[q_key])
-    assert all(np.array_equal(other, q) for other in everyone)
+    # The broadcast callback, and broadcast_global_variables(model=), give every
+    # rank the root's Q; residuals stay each rank's.
+    def on_train_begin(root_rank):
+        callback = hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)
+        callback.set_model(resumed)
+        callback.on_train_begin()
+
+    for broadcast in (on_train_begin,
+                      lambda root_rank: hvd.broadcast_global_variables(root_rank,
+                                                                       model=resumed)):
+        saved_q = powersgd.compressor.q
+        (q_key, q), = saved_q.items()
+        saved_q[q_key] = q + hvd.rank()
+        (key, residual), = topk.residuals.items()
+        mine = residual.copy()
+        broadcast(0)
+        np.testing.assert_array_equal(topk.residuals[key], mine)
+        everyone = hvd.allgather_object(saved_q[q_key])
+        assert all(np.array_equal(other, q) for other in everyone)
     if hvd.rank() == 0:
         shutil.rmtree(directory)

@@ -7,8 +7,8 @@ import tensorflow as tf
 
 import mpitrain as mt
 from mpitrain.tensorflow.broadcast import broadcast_variables
-from mpitrain.tensorflow.keras.optimizer import gradient_reducer
-from mpitrain.tensorflow.keras.variables import optimizer_variables
+from mpitrain.tensorflow.keras.variables import (broadcast_compression_state,
+                                                 optimizer_variables)
 
 
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
@@ -35,9 +35,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         optimizer = optimizer_variables(getattr(self.model, "optimizer", None))
         self._broadcast(list(self.model.variables) + optimizer)
         self.optimizer_done = bool(optimizer)
-        reducer = gradient_reducer(getattr(self.model, "optimizer", None))
-        if reducer is not None:
-            reducer.broadcast_compression_state(self.root_rank)
+        broadcast_compression_state(getattr(self.model, "optimizer", None), self.root_rank)
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.optimizer_done:
