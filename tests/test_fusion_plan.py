@@ -42,6 +42,18 @@ def test_groups_too_small_to_stream_send_their_large_tensors_alone():
         ["big0"], ["big1"], ["a", "b"]]
 
 
+def test_large_tensors_that_cannot_stream_go_alone_where_the_set_streams():
+    """Integer sums are scaled once the whole sum is in, and Adasum combines
+    each tensor on its own: neither streams, so neither joins large groups."""
+    integers = dtypes.lookup(np.dtype(np.int64)).code
+    round_ = [Response(OpType.ALLREDUCE, f"int{i}", integers, (MiB // 8,), ReduceOp.SUM)
+              for i in range(6)]
+    round_ += [Response(OpType.ALLREDUCE, f"adasum{i}", FLOAT32, (MiB // 4,),
+                        ReduceOp.ADASUM) for i in range(6)]
+    assert names(fusion.plan(round_, 64 * MiB, streams_from=0)) == [
+        [f"int{i}"] for i in range(6)] + [[f"adasum{i}"] for i in range(6)]
+
+
 def test_device_tensors_never_stream_through_host_memory():
     round_ = [allreduce(f"gpu{i}", MiB, device=0) for i in range(6)]
     assert names(fusion.plan(round_, 64 * MiB, streams_from=0)) == [

@@ -15,7 +15,7 @@ import numpy as np
 
 from mpitrain.backends import arrays, dtypes
 from mpitrain.engine.recycled import RecycledBuffers
-from mpitrain.engine.streaming import Stream, flat
+from mpitrain.engine.streaming import Stream, flat, streams
 from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp
 from mpitrain.transport import adasum
@@ -181,8 +181,7 @@ class Executor:
         names = group.names
         sources = [None if member is None else member.input for member in members]
         prescale = first.prescale if integer is None else 1.0
-        if (integer is None and backend is arrays.HOST and first.op != ReduceOp.ADASUM
-                and self.channel.takes_host_route(buffer)):
+        if streams(first, wire) and self.channel.takes_host_route(buffer):
             outputs = self._outputs(group, members, backend)
             if all(_contiguous(array) for array in sources + outputs):
                 yield from self._allreduce_streamed(group, members, buffer, sources,

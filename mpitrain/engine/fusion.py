@@ -3,6 +3,7 @@
 import math
 
 from mpitrain.backends import dtypes
+from mpitrain.engine.streaming import streams
 from mpitrain.ops import OpType
 
 
@@ -67,11 +68,10 @@ def plan(responses, threshold, streams_from=None):
     Allreduces that reduce in the same dtype with the same op and scale
     factors share a group until it would exceed ``threshold`` bytes; an
     allreduce of ALONE_BYTES or more, which needs no conversion, is reduced
-    in its own memory; every other response runs alone. In host memory,
-    where the set streams groups of ``streams_from`` bytes or more through
-    shared memory (without the fusion buffer's copies,
-    mpitrain.engine.streaming), large allreduces join groups that reach that
-    size. The plan depends only on the responses and the set's route, which
+    in its own memory; every other response runs alone. Where the set
+    streams groups of ``streams_from`` bytes or more through shared memory
+    (without the fusion buffer's copies, mpitrain.engine.streaming), large
+    allreduces that can stream join groups that reach that size. The plan depends only on the responses and the set's route, which
     are identical on every rank, so every rank fuses identically.
     """
     groups = []
@@ -82,7 +82,7 @@ def plan(responses, threshold, streams_from=None):
             continue
         key, nbytes = _fusion_of(response)
         if _alone(response, nbytes, key) and not (
-                streams_from is not None and response.device < 0):
+                streams_from is not None and streams(response, key[0])):
             groups.append(Group(response, nbytes))
             continue
         current = open_groups.get(key)

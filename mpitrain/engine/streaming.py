@@ -12,7 +12,17 @@ import bisect
 
 import numpy as np
 
+from mpitrain.backends import dtypes
 from mpitrain.backends.arrays import scale_into
+from mpitrain.ops import ReduceOp
+
+
+def streams(response, wire):
+    """Can fused allreduces like ``response``, reduced as ``wire``, stream?
+    Host memory only; not Adasum, which combines each tensor on its own, nor
+    integer sums and averages, which are scaled once the whole sum is in."""
+    return (response.device < 0 and response.op != ReduceOp.ADASUM
+            and not dtypes.exact(wire, response.op))
 
 
 class Stream:
