@@ -10,8 +10,6 @@ which the engine fuses; gradients are never exchanged, so synchronize() has
 nothing to do.
 """
 
-import functools
-
 import torch
 
 from mpitrain.api.process_sets import global_process_set
@@ -20,6 +18,7 @@ from mpitrain.ops import Adasum
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import allreduce_async_
 from mpitrain.torch.optimizer import _parameter_names
+from mpitrain.torch.wrapping import rewrapped
 
 
 class _AdasumOptimizer:
@@ -106,18 +105,6 @@ def adasum_optimizer(optimizer, named_parameters=None, compression=Compression.n
     if gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor is supported only with op=Average, "
                          "not op=Adasum")
-    cls = _adasum_class(type(optimizer))
-    distributed = cls.__new__(cls)
-    attributes = dict(vars(optimizer))
-    # An LR scheduler made before wrapping stores a step bound to the original
-    # optimizer as an attribute; keeping it would bypass the exchange.
-    attributes.pop("step", None)
-    distributed.__dict__.update(attributes)
+    distributed = rewrapped(optimizer, _AdasumOptimizer)
     distributed._start_adasum(named_parameters, compression, process_set)
     return distributed
-
-
-@functools.cache
-def _adasum_class(base):
-    """A subclass of ``base`` (one per class), so isinstance checks still hold."""
-    return type(base.__name__, (_AdasumOptimizer, base), {"__module__": base.__module__})

@@ -22,6 +22,7 @@ from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.torch.ops import grouped_allreduce_async_
 from mpitrain.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
+from mpitrain.torch.wrapping import mixed_in
 
 AVERAGE_NAME = "LocalSGDOptimizer.average"
 
@@ -128,8 +129,6 @@ class _LocalSGD(_DistributedOptimizer):
 
 _LocalSGD.step.hooked = True         # see _DistributedOptimizer.step
 
-_classes = {}
-
 
 def LocalSGDOptimizer(optimizer, named_parameters=None, period=4, warmup_steps=0,
                       average_optimizer_state=False, overlap_averaging=True,
@@ -164,11 +163,7 @@ def LocalSGDOptimizer(optimizer, named_parameters=None, period=4, warmup_steps=0
                          "op=Adasum; use DistributedOptimizer(op=Adasum) instead")
     distributed = DistributedOptimizer(optimizer, named_parameters,
                                        process_set=process_set, **options)
-    base = type(distributed)
-    if base not in _classes:
-        _classes[base] = type(base.__name__, (_LocalSGD, base),
-                              {"__module__": base.__module__})
-    distributed.__class__ = _classes[base]
+    distributed.__class__ = mixed_in(_LocalSGD, type(distributed))
     distributed._start_local_sgd(period, warmup_steps, average_optimizer_state,
                                  overlap_averaging)
     return distributed

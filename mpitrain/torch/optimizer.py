@@ -24,6 +24,7 @@ from mpitrain.torch import buckets
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
                                 sparse_allreduce_async)
+from mpitrain.torch.wrapping import rewrapped
 
 
 class _DistributedOptimizer:
@@ -515,26 +516,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                       stacklevel=2)
         if groups is None:
             groups = num_groups
-    cls = _distributed_class(type(optimizer))
-    distributed = cls.__new__(cls)
-    attributes = dict(vars(optimizer))
-    # An LR scheduler made before wrapping stores a step bound to the original
-    # optimizer as an attribute; keeping it would bypass synchronization.
-    attributes.pop("step", None)
-    distributed.__dict__.update(attributes)
+    distributed = rewrapped(optimizer, _DistributedOptimizer)
     distributed._start_distributing(named_parameters, compression,
                                     backward_passes_per_step, op,
                                     gradient_predivide_factor, groups,
                                     sparse_as_dense, process_set, overlap)
     return distributed
-
-
-_classes = {}
-
-
-def _distributed_class(base):
-    """A subclass of ``base`` (one per class), so isinstance checks still hold."""
-    if base not in _classes:
-        _classes[base] = type(base.__name__, (_DistributedOptimizer, base),
-                              {"__module__": base.__module__})
-    return _classes[base]
