@@ -61,7 +61,7 @@ class SetController:
         # fused host groups of this many bytes or more stream through shared
         # memory (None: none do)
         route = self.channel.host_route
-        self.streams_from = (route.min_bytes if route is not None
+        self.streams_from = (route.stream_min_bytes if route is not None
                              and route.reducer is not None else None)
         self.stall_after = (None if config.stall_check_disable
                             else config.stall_check_time)

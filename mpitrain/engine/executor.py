@@ -181,7 +181,7 @@ class Executor:
         names = group.names
         sources = [None if member is None else member.input for member in members]
         prescale = first.prescale if integer is None else 1.0
-        if streams(first, wire) and self.channel.takes_host_route(buffer):
+        if streams(first, wire) and self.channel.takes_host_route(buffer, streamed=True):
             outputs = self._outputs(group, members, backend)
             if all(_contiguous(array) for array in sources + outputs):
                 yield from self._allreduce_streamed(group, members, buffer, sources,
@@ -229,9 +229,10 @@ class Executor:
         """Through the host route, each chunk's inputs go straight into shared
         memory and its results straight into the outputs (mpitrain.engine.streaming)."""
         stream = Stream(group.starts, group.counts, [flat(s) for s in sources],
-                        [flat(o) for o in outputs], prescale, factor)
+                        [flat(o) for o in outputs], prescale, factor, buffer.dtype)
         yield from self._traced(group.names, "MPI_ALLREDUCE", self.channel.allreduce(
-            buffer, group.responses[0].op, fill=stream.fill, drain=stream.drain))
+            buffer, group.responses[0].op, fill=stream.fill, drain=stream.drain,
+            read=stream.read))
         for member in members:
             if member is not None:
                 self.finish(member, member.output)

@@ -10,7 +10,6 @@ only as scratch space.
 
 import bisect
 
-import numpy as np
 
 from mpitrain.backends import dtypes
 from mpitrain.backends.arrays import scale_into
@@ -30,16 +29,18 @@ class Stream:
 
     sources: the flat inputs (None for a joined rank's share, which adds
     zeros), times prescale on the way in; outputs: the flat outputs (None
-    where this rank has no tensor), times factor on the way out.
+    where this rank has no tensor), times factor on the way out; wire: the
+    numpy dtype reduced.
     """
 
-    def __init__(self, starts, counts, sources, outputs, prescale, factor):
+    def __init__(self, starts, counts, sources, outputs, prescale, factor, wire):
         self.starts = starts
         self.ends = [start + count for start, count in zip(starts, counts)]
         self.sources = sources
         self.outputs = outputs
         self.prescale = prescale
         self.factor = factor
+        self.wire = wire
 
     def _pieces(self, start, stop):
         """(tensor, its first element, how many) of the buffer's elements start:stop."""
@@ -62,6 +63,21 @@ class Stream:
                 scale_into(source[first:first + count], self.prescale, into)
             at += count
 
+    def read(self, start, stop):
+        """The inputs of elements start:stop where they lie, as (offset from
+        start, array) pieces; None where one must first be scaled or
+        converted, or is a joined rank's zeros."""
+        if self.prescale != 1.0:
+            return None
+        pieces, at = [], 0
+        for tensor, first, count in self._pieces(start, stop):
+            source = self.sources[tensor]
+            if source is None or source.dtype != self.wire:
+                return None
+            pieces.append((at, source[first:first + count]))
+            at += count
+        return pieces
+
     def drain(self, start, stop, source):
         at = 0
         for tensor, first, count in self._pieces(start, stop):
@@ -74,4 +90,6 @@ class Stream:
 
 def flat(array):
     """A 1-D view of a contiguous array (None stays None)."""
-    return None if array is None else np.reshape(array, -1)
+    if array is None or array.ndim == 1:
+        return array
+    return array.reshape(-1)        # the method: a fifth of numpy.reshape's time

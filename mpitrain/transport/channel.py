@@ -129,11 +129,13 @@ class Channel:
         return [(start, min(start + step, count))
                 for start in range(0, max(count, 1), step)]
 
-    def takes_host_route(self, buffer):
-        """Does an allreduce of ``buffer`` travel by the host route (shared memory)?"""
-        return self.host_route is not None and self.host_route.takes(buffer)
+    def takes_host_route(self, buffer, streamed=False):
+        """Does an allreduce of ``buffer`` travel by the host route (shared
+        memory)? streamed: its inputs and outputs are a fused group's tensors
+        (a drain is given)."""
+        return self.host_route is not None and self.host_route.takes(buffer, streamed)
 
-    def allreduce(self, buffer, op, fill=None, after=None, drain=None):
+    def allreduce(self, buffer, op, fill=None, after=None, drain=None, read=None):
         """Reduce a 1-D host buffer in place, in chunks of about chunk_size bytes.
 
         fill(start, stop, destination), if given, writes the input's elements
@@ -143,12 +145,14 @@ class Channel:
         blocking channel right after it arrives, while it is still in cache.
         drain(start, stop, source), instead of after, takes each chunk's
         results from source, which may be shared memory: buffer then need
-        not hold them.
+        not hold them. read(start, stop), with drain: the input's elements
+        start:stop where they lie, which the host route may reduce from
+        directly (SharedMemoryAllreduce.allreduce).
         """
-        if self.takes_host_route(buffer):
+        if self.takes_host_route(buffer, streamed=drain is not None):
             yield from self.host_route.reducer.allreduce(buffer, op, fill, after,
                                                          guard=self._blocking,
-                                                         drain=drain)
+                                                         drain=drain, read=read)
             return
         after = draining(buffer, after, drain)
         mpi_op = mpi_operation(op, buffer.dtype)

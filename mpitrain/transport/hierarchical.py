@@ -30,7 +30,8 @@ class HierarchicalAllreduce:
         self.inside = inside
         self.cross = cross
 
-    def allreduce(self, buffer, op, fill=None, after=None, guard=unguarded, drain=None):
+    def allreduce(self, buffer, op, fill=None, after=None, guard=unguarded, drain=None,
+                  read=None):
         """As SharedMemoryAllreduce.allreduce, across every node."""
         operation = mpi_operation(op, buffer.dtype)
         datatype = MPI_TYPES[buffer.dtype]
@@ -40,7 +41,8 @@ class HierarchicalAllreduce:
                 self.cross.Allreduce(MPI.IN_PLACE, [piece, datatype], operation)
             yield from ()
 
-        yield from self.inside.allreduce(buffer, op, fill, after, across, guard, drain)
+        yield from self.inside.allreduce(buffer, op, fill, after, across, guard, drain,
+                                          read)
 
     def close(self):
         self.inside.close()
@@ -55,7 +57,8 @@ class MpiInsideNode:
         self.chunk_bytes = chunk_bytes
 
     def allreduce(self, buffer, op, fill=None, after=None, across=None,
-                  guard=unguarded, drain=None):
+                  guard=unguarded, drain=None, read=None):
+        """As SharedMemoryAllreduce.allreduce; read goes unused (fill serves)."""
         after = draining(buffer, after, drain)
         operation = mpi_operation(op, buffer.dtype)
         datatype = MPI_TYPES[buffer.dtype]

@@ -14,7 +14,9 @@ The chunk is cut in comm.size aligned slices, rank r reducing slice r:
 
 Reading its own slice straight from the buffer, with a 2-operand in-place
 ufunc, spares a rank one copy of its slice into the segment and back: at
-64 MiB on 2 ranks, a fifth of the time.
+64 MiB on 2 ranks, a fifth of the time. Inputs that are not the buffer (the
+tensors of a fused group, streamed) are read where they lie for the same
+reason (``read``).
 
 Two barriers per chunk suffice: a rank writes into a slot again (two chunks
 later, counted across calls) only after passing the first barrier of the
@@ -98,7 +100,7 @@ class SharedMemoryAllreduce:
                     f"rank {rank}: {cause}" for rank, cause in enumerate(causes) if cause))
 
     def allreduce(self, buffer, op, fill=None, after=None, across=None,
-                  guard=unguarded, drain=None):
+                  guard=unguarded, drain=None, read=None):
         """Reduce ``buffer`` in place across comm (a generator).
 
         op: a ReduceOp (Average sums: the caller divides); NaNs propagate
@@ -113,7 +115,11 @@ class SharedMemoryAllreduce:
         them (mpitrain.engine.watch). drain(start, stop, source): takes the
         results of elements start:stop from source (in the segment) instead
         of their copy into buffer, whose contents are then undefined; after
-        is not called. Every rank must call with the same size, dtype and op.
+        is not called. read(start, stop): this rank's input elements
+        start:stop where they lie, as (offset, array) pieces of buffer's
+        dtype, or None; given pieces, the rank combines its own slice from
+        them instead of filling it in first. Every rank must call with the
+        same size, dtype and op.
         """
         combine = COMBINE[op]
         _check(buffer)
@@ -141,13 +147,20 @@ class SharedMemoryAllreduce:
                 if first < last:
                     write(start + first, start + last, chunk[rank][first:last])
             mine = buffer[start + low:start + high]
-            if fill is not None and low < high:
+            in_place = None if read is None or low == high else read(start + low,
+                                                                     start + high)
+            if fill is not None and low < high and in_place is None:
                 fill(start + low, start + high, mine)
             yield from self._barrier(guard)
             reduced = chunk[keeper][low:high]
             for other in others:
                 combine(reduced, chunk[other][low:high], out=reduced)
-            combine(reduced, mine, out=reduced)
+            if in_place is None:
+                combine(reduced, mine, out=reduced)
+            else:
+                for offset, piece in in_place:
+                    part = reduced[offset:offset + piece.size]
+                    combine(part, piece, out=part)
             if across is not None:
                 yield from across(reduced)
             yield from self._barrier(guard)
