@@ -11,6 +11,7 @@ import math
 import warnings
 
 import numpy as np
+from mpi4py import MPI
 
 ALIGNMENT = 64   # frameworks adopt buffers aligned like this without copying them
 
@@ -30,8 +31,17 @@ def empty(shape, dtype):
 def aligned_bytes(owner, nbytes):
     """The first ``nbytes`` of the uint8 array ``owner`` (allocated ALIGNMENT
     bytes longer) that start on an ALIGNMENT boundary."""
-    start = -owner.ctypes.data % ALIGNMENT
+    start = -host_address(owner) % ALIGNMENT
     return owner[start:start + nbytes]
+
+
+def host_address(array):
+    """Where the data of a numpy array starts in memory."""
+    if array.flags.c_contiguous:
+        # A tenth of the time of __array_interface__ or .ctypes, which
+        # counts on paths run once per tensor.
+        return MPI.buffer(array).address
+    return array.__array_interface__["data"][0]
 
 
 def scale_into(source, factor, out):
