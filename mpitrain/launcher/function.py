@@ -1,4 +1,4 @@
-"""``mpitrain.run(func, args, kwargs, np=2)``: Horovod's ``horovod.run``.
+"""``mpitrain.run(func, args, kwargs, num_proc=2)``: Horovod's ``horovod.run``.
 
 The caller pickles the function and its arguments with cloudpickle (so a
 lambda, a closure or a function of ``__main__`` travels by value) into a
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 
 import cloudpickle
 
@@ -25,9 +26,13 @@ FUNCTION = "function.pickle"
 # Horovod's arguments that have no meaning under a fixed MPI world, and what
 # to do instead; any value but None for them is refused.
 UNSUPPORTED = {
+    "min_num_proc": "elastic launches are not provided: the MPI world is fixed "
+                    "(docs/fault-tolerance.md)",
+    "max_num_proc": "elastic launches are not provided: the MPI world is fixed",
     "min_np": "elastic launches are not provided: the MPI world is fixed "
               "(docs/fault-tolerance.md)",
     "max_np": "elastic launches are not provided: the MPI world is fixed",
+    "host_discovery_script": "elastic launches are not provided: the MPI world is fixed",
     "slots": "elastic launches are not provided; give slots per host in "
              "hosts='node1:2,node2:2'",
     "reset_limit": "elastic launches are not provided; hvd.elastic.run's resets "
@@ -52,22 +57,25 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-def run(func, args=(), kwargs=None, np=1, min_np=None, max_np=None, slots=None,
-        reset_limit=None, cooldown_range=None, hosts=None, hostfile=None,
-        start_timeout=None, ssh_port=None, ssh_identity_file=None, disable_cache=None,
-        output_filename=None, verbose=None, use_gloo=None, use_mpi=None, mpi_args=None,
-        network_interface=None, executable=None):
-    """Run ``func(*args, **kwargs)`` on ``np`` ranks and return the list of
-    their return values, ordered by rank.
+def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=None,
+        slots=None, reset_limit=None, cooldown_range=None, hosts=None, hostfile=None,
+        host_discovery_script=None, start_timeout=None, ssh_port=None,
+        ssh_identity_file=None, disable_cache=None, output_filename=None, verbose=None,
+        use_gloo=None, use_mpi=None, mpi_args=None, network_interface=None,
+        network_interfaces=None, executable=None, np=None, min_np=None, max_np=None):
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` ranks and return the
+    list of their return values, ordered by rank.
 
     As Horovod's ``horovod.run``: ``hosts`` ('node1:2,node2:2') or
-    ``hostfile`` say where, ``mpi_args``, ``network_interface`` and
+    ``hostfile`` say where, ``mpi_args``, ``network_interfaces`` and
     ``verbose`` go to the launcher, ``executable`` is the Python the ranks
-    run (default: this one). ``start_timeout`` and ``disable_cache`` are
-    accepted and have no effect: mpirun starts the ranks itself, and there
-    is no host check to cache. A rank that raises makes this raise
-    RankError with its rank and traceback; a job that fails otherwise
-    raises RuntimeError with its exit code.
+    run (default: this one); ``np``, ``min_np``, ``max_np`` and
+    ``network_interface`` (a comma-separated string) are Horovod's deprecated
+    spellings, accepted with its DeprecationWarning. ``start_timeout`` and
+    ``disable_cache`` are accepted and have no effect: mpirun starts the
+    ranks itself, and there is no host check to cache. A rank that raises
+    makes this raise RankError with its rank and traceback; a job that fails
+    otherwise raises RuntimeError with its exit code.
     """
     given = [(name, value) for name, value in locals().items()
              if name in UNSUPPORTED and value is not None]
@@ -78,8 +86,17 @@ def run(func, args=(), kwargs=None, np=1, min_np=None, max_np=None, slots=None,
     if use_gloo:
         raise ValueError("mpitrain.run: use_gloo=True is not supported: mpitrain "
                          "always runs on MPI")
-    if not isinstance(np, int) or isinstance(np, bool) or np < 1:
-        raise ValueError(f"mpitrain.run: np must be a whole number >= 1, not {np!r}")
+    count_name = "num_proc"
+    if np is not None:
+        warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, 2)
+        num_proc, count_name = np, "np"
+    if network_interface:
+        warnings.warn("network_interface is deprecated, use network_interfaces instead",
+                      DeprecationWarning, 2)
+        network_interfaces = network_interface.split(",")
+    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
+        raise ValueError(f"mpitrain.run: {count_name} must be a whole number >= 1, "
+                         f"not {num_proc!r}")
     if hosts and hostfile:
         raise ValueError("mpitrain.run: give hosts or hostfile, not both")
     host_list = (parse_hosts(hosts) if hosts
@@ -89,10 +106,11 @@ def run(func, args=(), kwargs=None, np=1, min_np=None, max_np=None, slots=None,
         with open(os.path.join(directory, FUNCTION), "wb") as file:
             cloudpickle.dump((func, tuple(args), dict(kwargs or {})), file)
         code = subprocess.call(
-            launcher_command(np, hosts, hostfile, mpi_args, network_interface, verbose)
+            launcher_command(num_proc, hosts, hostfile, mpi_args,
+                             ",".join(network_interfaces or []), verbose)
             + [executable or sys.executable, "-m", __name__, directory],
             env=rank_environment(executable))
-        outcomes = [read_outcome(directory, rank) for rank in range(np)]
+        outcomes = [read_outcome(directory, rank) for rank in range(num_proc)]
     return results_or_raise(outcomes, code)
 
 
