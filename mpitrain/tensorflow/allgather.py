@@ -31,7 +31,13 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """Gather a list of tensors through one op; first dimensions may differ per rank."""
     tensors = dense(list(tensors), OpType.ALLGATHER, name, process_set)
-    return list(_gather_with_gradient(tensors, name, process_set)) if tensors else []
+    if not tensors:
+        return []
+    # Horovod gathers booleans too; they travel as bytes.
+    sent = [tf.cast(t, tf.uint8) if t.dtype == tf.bool else t for t in tensors]
+    gathered = _gather_with_gradient(sent, name, process_set)
+    return [tf.cast(g, tf.bool) if t.dtype == tf.bool else g
+            for g, t in zip(gathered, tensors)]
 
 
 def allgather(tensor, name=None, ignore_name_scope=False,

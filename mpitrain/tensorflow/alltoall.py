@@ -25,9 +25,16 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Send ``splits[i]`` rows of ``tensor`` to rank i (equal parts without splits).
 
-    Returns (rows received from every rank in rank order, received splits as int32).
+    Returns the rows received from every rank in rank order; with ``splits``,
+    as Horovod, (those rows, the received splits as int32).
     """
     tensor = tf.convert_to_tensor(tensor)
+    if tensor.dtype == tf.bool:          # Horovod sends booleans too: as bytes
+        result = alltoall(tf.cast(tensor, tf.uint8), splits, name, ignore_name_scope,
+                          process_set)
+        if splits is None:
+            return tf.cast(result, tf.bool)
+        return tf.cast(result[0], tf.bool), result[1]
     if splits is not None:
         splits = tf.cast(tf.convert_to_tensor(splits), tf.int64)
 
@@ -39,4 +46,5 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
             # Sending every rank's gradient rows back where they came from.
             return _exchange(upstream, tf.cast(received, tf.int64), None, process_set)[0]
         return (output, received), gradient
-    return exchange(tensor)
+    output, received = exchange(tensor)
+    return output if splits is None else (output, received)

@@ -20,7 +20,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     the layer in training together, as a step of data-parallel training does.
     """
 
-    def __init__(self, process_set=global_process_set, **kwargs):
+    def __init__(self, fused=False, process_set=global_process_set, **kwargs):
+        if fused in (True, None):
+            raise ValueError(f"SyncBatchNormalization does not support fused={fused}: "
+                             "the statistics are combined across ranks in between")
         super().__init__(**kwargs)
         self.process_set = process_set
 
