@@ -62,6 +62,7 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self):
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
 
@@ -69,6 +70,10 @@ class State:
         """Save the state in memory: a later reset comes back to this point."""
         self.save()
         self.check_host_updates()
+
+    def reset(self):
+        """Called after every reset, before the reset callbacks; a subclass
+        re-creates here what depends on the job (Horovod: its size)."""
 
     def check_host_updates(self):
         """Horovod raises here when hosts were added or removed; under MPI they never are."""

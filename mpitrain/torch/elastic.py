@@ -152,9 +152,9 @@ class ElasticSampler(torch.utils.data.Sampler):
     def state_dict(self):
         return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
 
-    def load_state_dict(self, state):
-        self.epoch = state["epoch"]
-        self.processed_indices = set(state["processed_indices"])
+    def load_state_dict(self, state_dict):
+        self.epoch = state_dict["epoch"]
+        self.processed_indices = set(state_dict["processed_indices"])
         self.reset()
 
     def reset(self):

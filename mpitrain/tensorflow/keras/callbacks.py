@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 import mpitrain as mt
+from mpitrain import horovod_names
 from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import (broadcast_compression_state,
                                                  optimizer_variables)
@@ -24,8 +25,19 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
-        self.local_variables = {id(v) for v in local_variables or []}
+        self.local_variables = set()
+        if hasattr(local_variables, "assign"):
+            local_variables = [local_variables]
+        for variable in local_variables or []:
+            self.register_local_var(variable)
         self.optimizer_done = False
+
+    def register_local_var(self, var):
+        """Leave ``var`` out of the broadcast: every rank keeps its own value."""
+        if not hasattr(var, "assign"):
+            raise ValueError("BroadcastGlobalVariablesCallback: a local variable must "
+                             f"be a variable, got {type(var).__name__}")
+        self.local_variables.add(id(var))
 
     def _broadcast(self, variables):
         broadcast_variables([v for v in variables if id(v) not in self.local_variables],
@@ -241,3 +253,12 @@ class LocalSGDCallback(tf.keras.callbacks.Callback):
                                         name="LocalSGDCallback.average")
         for variable, value in zip(variables, averaged):
             variable.assign(value)
+
+
+__getattr__ = horovod_names.module_getattr(
+        __name__, "horovod.tensorflow.keras.callbacks", missing={
+    "BestModelCheckpoint": (
+        "is for Horovod's Spark estimator, which sets its file path: use "
+        "keras.callbacks.ModelCheckpoint(path, save_best_only=True) on rank 0"),
+    "is_version_greater_equal_than": horovod_names.INTERNAL_HELPER,
+})

@@ -89,8 +89,11 @@ class CommitStateCallback(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.batches_left -= 1
         if self.batches_left == 0:
-            self.state.commit()
+            self.commit()
             self.batches_left = self.batches_per_commit
+
+    def commit(self):
+        self.state.commit()
 
 
 class UpdateBatchStateCallback(tf.keras.callbacks.Callback):
