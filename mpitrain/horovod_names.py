@@ -10,6 +10,10 @@ import importlib
 import sys
 
 
+INTERNAL_HELPER = ("is a helper Horovod's module imports for its own use, not part of "
+                   "Horovod's API; mpitrain has none")
+
+
 class HorovodNameError(AttributeError):
     """A Horovod name this mpitrain module does not have; the message says
     where its equivalent is. An AttributeError, so hasattr() answers False."""

@@ -7,7 +7,7 @@ gradients. Keras users import mpitrain.tensorflow.keras.
 
 from mpitrain import (
     Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
-    add_process_set, allgather_object, broadcast_object, ccl_built, cross_rank,
+    add_process_set, ccl_built, cross_rank,
     cross_size, cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled,
     init, is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built,
     mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
@@ -21,6 +21,7 @@ from mpitrain.tensorflow.errors import MismatchError
 from mpitrain.tensorflow.gradient_tape import (
     DistributedGradientTape, PartialDistributedGradientTape)
 from mpitrain.tensorflow.graph_op import XlaNotSupportedError
+from mpitrain.tensorflow.objects import allgather_object, broadcast_object
 from mpitrain.tensorflow.optimizer import DistributedOptimizer
 from mpitrain.tensorflow.reducescatter import grouped_reducescatter, reducescatter
 from mpitrain.tensorflow.sync_batch_norm import SyncBatchNormalization
@@ -41,7 +42,10 @@ __getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow", lazy
     "local_size_op": _NO_GRAPH_OPS, "process_set_included_op": _NO_GRAPH_OPS,
     "mpi_ops": "is not a module here: its functions are in mpitrain.tensorflow itself",
     "run": "is horovod.run, which is mpitrain.run",
-})
+} | dict.fromkeys((
+    "check_extension", "check_num_rank_power_of_2", "gpu_available", "split_list",
+    "vars_to_refs", "refs_to_vars", "handle_average_backwards_compatibility",
+    "LocalGradientAggregationHelper"), _horovod_names.INTERNAL_HELPER))
 from mpitrain.tensorflow import keras2_errors as _keras2_errors
 
 _keras2_errors.explain_keras2_errors()

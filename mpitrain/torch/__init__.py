@@ -36,4 +36,5 @@ from mpitrain import horovod_names as _horovod_names
 __getattr__ = _horovod_names.module_getattr(__name__, "horovod.torch", missing={
     "mpi_ops": "is not a module here: its functions are in mpitrain.torch itself",
     "run": "is horovod.run, which is mpitrain.run",
+    "check_extension": _horovod_names.INTERNAL_HELPER,
 })

@@ -30,4 +30,5 @@ __getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow.keras"
         "DistributedGradientTape", "PartialDistributedGradientTape", "alltoall",
         "grouped_reducescatter", "broadcast_", "SyncBatchNormalization")} | {
     "run": "is horovod.run, which is mpitrain.run",
+    "is_version_greater_equal_than": _horovod_names.INTERNAL_HELPER,
 })
