@@ -19,7 +19,8 @@ def test_static_sets_from_init():
         got = mt.allreduce(np.full(2, float(r)), op=mt.Sum, process_set=evens)
         np.testing.assert_array_equal(got, [2.0, 2.0])
         assert mt.allgather(np.full(1, r), process_set=evens).tolist() == [0, 2]
-        assert mt.broadcast(np.full(1, r), root_rank=1, process_set=evens)[0] == 2
+        # root_rank is a rank of the job, as in Horovod: 2, the set's second member
+        assert mt.broadcast(np.full(1, r), root_rank=2, process_set=evens)[0] == 2
     else:
         with pytest.raises(ValueError, match="not a member"):
             mt.allreduce(np.ones(1), process_set=evens)
@@ -97,6 +98,41 @@ def test_dynamic_add_use_and_remove():
         mt.remove_process_set(pair if r != 2 else mt.ProcessSet([0, 1]))
     assert mt.remove_process_set(pair)
     assert mt.allreduce(np.ones(1), op=mt.Sum)[0] == n
+
+
+OUTSIDER = r"root_rank 0 is not a member of the process set, whose ranks are \[1, 2\]"
+
+
+def broadcast_on_the_set_of_ranks_1_and_2(r, upper):
+    got = mt.broadcast(np.full(2, 10.0 * r), root_rank=2, process_set=upper)
+    np.testing.assert_array_equal(got, [20.0, 20.0])
+    into = np.full(3, float(r))
+    mt.synchronize(mt.broadcast_async(into, 1, process_set=upper, output=into))
+    np.testing.assert_array_equal(into, [1.0, 1.0, 1.0])
+    assert mt.broadcast_object({"from": r}, 2, process_set=upper) == {"from": 2}
+    with pytest.raises(ValueError, match=rf"broadcast of 'outsider' failed.*{OUTSIDER}"):
+        mt.broadcast(np.ones(2), root_rank=0, name="outsider", process_set=upper)
+    with pytest.raises(ValueError, match=OUTSIDER):
+        mt.broadcast_object("epoch 1", root_rank=0, process_set=upper)
+    with pytest.raises(ValueError, match="root_rank 3 is out of range for a job of 3"):
+        mt.broadcast(np.ones(2), root_rank=3, process_set=upper)
+    # Only rank 1 names the outsider: rank 2, which named itself, hears why.
+    with pytest.raises(ValueError, match=OUTSIDER):
+        mt.broadcast(np.ones(2), root_rank=0 if r == 1 else 2, name="one.outsider",
+                     process_set=upper)
+    assert mt.allreduce(np.ones(1), op=mt.Sum, process_set=upper)[0] == 2
+
+
+@mpi_test(np=(3,))
+def test_a_broadcast_root_on_a_set_is_a_rank_of_the_job():
+    """As in Horovod: on the set {1, 2}, root_rank=2 is the job's rank 2, and
+    rank 0, outside the set, fails on every member."""
+    upper = mt.add_process_set([1, 2])
+    try:
+        if mt.rank() in (1, 2):
+            broadcast_on_the_set_of_ranks_1_and_2(mt.rank(), upper)
+    finally:
+        mt.remove_process_set(upper)
 
 
 @mpi_test(np=(3,))

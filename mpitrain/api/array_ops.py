@@ -6,6 +6,7 @@ ranks may submit in different orders. Out-of-place calls never modify their
 input; an input must not be modified while its operation is in flight.
 """
 
+import bisect
 import operator
 
 import numpy as np
@@ -71,6 +72,8 @@ def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
     dtype = dtypes.lookup(array.dtype)
     try:
         op, prescale, postscale, root = _arguments(op, average, prescale, postscale, root)
+        if kind == BROADCAST:
+            root = _rank_in_set(controller, root)
     except _Problem as bad_argument:
         op, prescale, postscale, root = Sum, 1.0, 1.0, -1
         problem = problem or bad_argument
@@ -135,6 +138,24 @@ def _arguments(op, average, prescale, postscale, root):
     return op, prescale, postscale, root
 
 
+def _rank_in_set(controller, root):
+    """The set's rank of the broadcast root ``root``, a rank of the job.
+
+    root_rank counts in the job, as in Horovod; the engine counts in the set.
+    """
+    ranks = controller.ranks                 # sorted, as the set's communicator is
+    position = bisect.bisect_left(ranks, root)
+    if position < len(ranks) and ranks[position] == root:
+        return position
+    job_size = controller.engine.topology.size
+    if not 0 <= root < job_size:
+        raise _Problem("value", f"root_rank {root} is out of range for a job of "
+                                f"{job_size} ranks")
+    raise _Problem("value", f"root_rank {root} is not a member of the process set, whose "
+                            f"ranks are {list(ranks)} (root_rank is a rank of the job, "
+                            "as in Horovod)")
+
+
 _NEEDS_A_DIMENSION = frozenset({ALLGATHER, ALLTOALL, REDUCESCATTER})
 _SCATTER_OPS = frozenset({Average, Sum})
 
@@ -153,9 +174,6 @@ def _check(controller, handle):
         if kind == REDUCESCATTER and handle.op not in _SCATTER_OPS:
             raise _Problem("value", "reducescatter supports only op=Average and "
                                     f"op=Sum, got {ReduceOp(handle.op).name.capitalize()}")
-    elif kind == BROADCAST and not 0 <= handle.root < controller.size:
-        raise _Problem("value", f"root_rank {handle.root} is out of range for a "
-                                f"process set of {controller.size} ranks")
     output, array = handle.output, handle.input
     if output is None:
         return
@@ -322,7 +340,10 @@ def grouped_allgather(arrays, name=None, process_set=global_process_set):
 
 def broadcast_async(array, root_rank, name=None, process_set=global_process_set, *,
                     output=None):
-    """Start sending ``array`` from ``root_rank`` (a rank of the set) to all."""
+    """Start sending ``array`` from ``root_rank`` to the set's ranks.
+
+    ``root_rank`` is a rank of the job (as in Horovod), and a member of the set.
+    """
     return _one(BROADCAST, array, name, process_set, root=root_rank, output=output)
 
 

@@ -16,7 +16,7 @@ import secrets
 import stat
 
 from mpitrain.api.objects import broadcast_object
-from mpitrain.api.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set, is_root
 
 MAGIC = b"mpitrain checkpoint 1\n"
 
@@ -105,7 +105,7 @@ def save_on_root(path, serialize, root_rank=0, process_set=global_process_set):
     the checkpoint exists.
     """
     problem = None
-    if process_set.rank() == root_rank:
+    if is_root(root_rank, process_set):
         try:
             write_payload(path, serialize())
         except Exception as error:         # whatever it is, every rank must hear it
@@ -126,7 +126,7 @@ def read_on_root(path, deserialize, root_rank=0, process_set=global_process_set)
     on every rank; ``deserialize`` must then leave the root's state as it was.
     """
     outcome = None
-    if process_set.rank() == root_rank:
+    if is_root(root_rank, process_set):
         try:
             found = os.path.exists(path)
             outcome = (found, deserialize(read_payload(path)) if found else None, None)

@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 
 from mpitrain.api import array_ops
-from mpitrain.api.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.engine import naming
 from mpitrain.errors import CollectiveTypeError
 from mpitrain.ops import OpType
@@ -59,14 +59,15 @@ def _agree(label, name, problems, process_set):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return root_rank's ``obj`` on every rank of the set.
+    """Return root_rank's ``obj`` on every rank of the set (root_rank is a
+    rank of the job, as in Horovod).
 
     Where a rank cannot unpickle it, every rank raises, naming that rank.
     """
     name = _name(name, OpType.BROADCAST, process_set)
     size_name, bytes_name = naming.derived(name, ".size"), naming.derived(name, ".bytes")
-    is_root = process_set.rank() == root_rank
-    data = _pickled(obj, size_name, OpType.BROADCAST, process_set) if is_root else None
+    sends = is_root(root_rank, process_set)
+    data = _pickled(obj, size_name, OpType.BROADCAST, process_set) if sends else None
     size = np.array([0 if data is None else data.size], dtype=np.int64)
     size = array_ops.broadcast(size, root_rank, size_name, process_set)
     if data is None:
@@ -74,7 +75,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     array_ops.synchronize(array_ops.broadcast_async(
         data, root_rank, bytes_name, process_set, output=data))
     problems = []
-    result = obj if is_root else _unpickled(data, root_rank, problems)
+    result = obj if sends else _unpickled(data, root_rank, problems)
     _agree("broadcast_object", name, problems, process_set)
     return result
 

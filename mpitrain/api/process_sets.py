@@ -81,6 +81,12 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
+def is_root(root_rank, process_set):
+    """Whether this process is broadcast root ``root_rank`` (a rank of the job,
+    as in Horovod) of ``process_set``; raises where it is not a member."""
+    return process_set.ranks[process_set.rank()] == root_rank
+
+
 def _is_communicator(value):
     """An mpi4py communicator (never true before mpi4py.MPI is imported)."""
     MPI = sys.modules.get("mpi4py.MPI")

@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import mpitrain as mt
-from mpitrain.api.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.backends import dtypes
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveTypeError
@@ -66,7 +66,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
             # Every rank's output came from the root: the root's input gets
             # the sum of the gradients, the other inputs none.
             summed = reduce_dense([upstream], Sum, 1.0, 1.0, None, process_set)[0]
-            return summed if process_set.rank() == root_rank else tf.zeros_like(summed)
+            return summed if is_root(root_rank, process_set) else tf.zeros_like(summed)
         return send_from_root([value], root_rank, name, process_set)[0], gradient
     # send_from_root names a named tensor as the one member of a group
     count = None if name is None else 1

@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpitrain.api.objects import broadcast_object
-from mpitrain.api.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.ops import Adasum, Average, ReduceOp, Sum
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.compression import Compression, choice
@@ -82,7 +82,7 @@ class GradientReducer:
         if self.choose is None:     # no compressor of that kind: nothing to send
             return
         saved = broadcast_object(self.compression_state() if
-                                 self.process_set.rank() == root_rank else None,
+                                 is_root(root_rank, self.process_set) else None,
                                  root_rank, "mpitrain.compression.state", self.process_set)
         if saved is not None:
             self.load_compression_state(saved)

@@ -16,7 +16,7 @@ would sum.
 import torch
 
 from mpitrain.api import array_ops
-from mpitrain.api.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.engine import naming
 from mpitrain.engine.handles import synchronize
 from mpitrain.errors import not_a_cast_compressor
@@ -125,7 +125,7 @@ class _Broadcast(torch.autograd.Function):
         root_rank, name, process_set = ctx.args
         averaged = synchronize(ops.allreduce_async(grad, None, _grad_name(name), Average,
                                                    process_set=process_set))
-        if process_set.rank() != root_rank:
+        if not is_root(root_rank, process_set):
             averaged.zero_()
         return averaged, None, None, None
 

@@ -3,7 +3,7 @@
 import torch
 
 from mpitrain.api.objects import allgather_object, broadcast_object
-from mpitrain.api.process_sets import global_process_set
+from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveValueError
 from mpitrain.torch.ops import broadcast_async_
@@ -52,12 +52,12 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
     compatibility. A ShardedOptimizer's full state is first gathered on
     root_rank; each rank keeps its share of it.
     """
-    is_root = process_set.rank() == root_rank
+    sends = is_root(root_rank, process_set)
     with state_on_one_rank(optimizer, root_rank):
-        state = broadcast_object(optimizer.state_dict() if is_root else None, root_rank,
+        state = broadcast_object(optimizer.state_dict() if sends else None, root_rank,
                                  "broadcast_optimizer_state", process_set)
     failure = problem = None
-    if not is_root:
+    if not sends:
         try:
             optimizer.load_state_dict(state)
         except Exception as error:          # whatever it is, every rank must hear it
