@@ -45,8 +45,6 @@ _TF1 = "absent: TF1 graphs and sessions, which TensorFlow 2 and mpitrain do not 
 # "absent: why" (the name fails with a HorovodNameError), "signature: why"
 # (its parameters are not compared) or "behaviour: why" (same signature, a
 # documented result differs). docs/migrating-from-horovod.md lists each.
-_ROOT = ("behaviour: with a process set, root_rank counts within the set here, "
-         "in the whole job in Horovod")
 _UNREGISTERED = ("behaviour: raises ValueError for a set not registered, where Horovod "
                  "returns None, which would hide the mistake")
 DIFFERENCES = {
@@ -82,9 +80,6 @@ DIFFERENCES = {
         "signature: as horovod.keras.DistributedOptimizer, groups comes 9th"),
     "horovod.keras.allreduce": (
         "signature: average=True there, None in horovod.tensorflow.keras; both average"),
-    **{f"{module}.{call}": _ROOT
-       for module in ("horovod.torch", "horovod.tensorflow")
-       for call in ("broadcast", "broadcast_", "broadcast_object")},
     **{f"{module}.ProcessSet.{method}": _UNREGISTERED
        for module in ("horovod.torch", "horovod.tensorflow", "horovod.tensorflow.keras")
        for method in ("size", "rank", "included")},
