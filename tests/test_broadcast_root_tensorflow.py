@@ -1,6 +1,7 @@
 """mpitrain.tensorflow's broadcasts on a process set take root_rank as a
 rank of the job, as Horovod does (numpy's are in tests/test_process_sets.py)."""
 
+import numpy as np
 import pytest
 
 from tests.mpi_harness import mpi_test
@@ -45,5 +46,45 @@ def test_on_a_set_root_rank_is_a_rank_of_the_job():
     try:
         if hvd.rank() in (1, 2):
             on_the_set_of_ranks_1_and_2(hvd.rank(), upper)
+    finally:
+        hvd.remove_process_set(upper)
+
+
+
+@mpi_test(np=(3,), env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=120)
+def test_a_root_outside_the_optimizers_set_gives_its_members_one_q():
+    """PowerSGD's Q is mpitrain's own state, which BroadcastGlobalVariablesCallback
+    and broadcast_global_variables(model=) share: with root_rank 0 outside the
+    optimizer's set {1, 2}, the members take the set's first member's Q, and
+    rank 0, which trains without that optimizer, has none to share."""
+    import keras
+
+    import mpitrain.tensorflow.keras as hvd_keras
+    from mpitrain.tensorflow.keras.variables import broadcast_compression_state
+    from tests.keras_models import make_model
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    r = hvd.rank()
+    upper = hvd.add_process_set([1, 2])
+    try:
+        powersgd = hvd_keras.Compression.powersgd(1, min_elements=0)
+        optimizer = hvd_keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.1), process_set=upper,
+            compression=lambda name, shape: powersgd if len(shape) == 2 else None)
+        if r in (1, 2):
+            model = make_model(0)
+            model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+            x = tf.random.stateless_normal([4, 5], seed=[r, 0])
+            model.fit(x, tf.zeros([4, 2]), batch_size=4, epochs=1, verbose=0)
+        qs = powersgd.compressor.q
+        for key in qs:
+            qs[key] = qs[key] + r
+        if r in (1, 2):
+            before = hvd.allgather_object(dict(qs), process_set=upper)
+        broadcast_compression_state(optimizer, 0)
+        if r in (1, 2):
+            first = before[0]
+            assert first and set(powersgd.compressor.q) == set(first)
+            for key, q in powersgd.compressor.q.items():
+                np.testing.assert_array_equal(q, first[key])
     finally:
         hvd.remove_process_set(upper)

@@ -78,9 +78,14 @@ class GradientReducer:
                 self.loaded[int(i)] = (state, own)
 
     def broadcast_compression_state(self, root_rank):
-        """Give every rank root_rank's Q (residuals stay each rank's own)."""
-        if self.choose is None:     # no compressor of that kind: nothing to send
-            return
+        """Give every member of the set root_rank's Q (residuals stay each
+        rank's own); where the job's root_rank is outside the set, the set's
+        first member's, so that the members still agree."""
+        members = self.process_set.ranks
+        if self.choose is None or not self.process_set.included():
+            return                  # no compressor of that kind, or nothing to share
+        if root_rank not in members:
+            root_rank = members[0]
         saved = broadcast_object(self.compression_state() if
                                  is_root(root_rank, self.process_set) else None,
                                  root_rank, "mpitrain.compression.state", self.process_set)
