@@ -39,7 +39,7 @@ MPITRAIN = {
     "horovod.keras.elastic": "mpitrain.tensorflow.keras.elastic",
 }
 
-_HELPER = "absent: one of Horovod's internal helpers its module happens to import, not its API"
+HELPER = "absent: one of Horovod's internal helpers its module happens to import, not its API"
 _TF1 = "absent: TF1 graphs and sessions, which TensorFlow 2 and mpitrain do not have"
 # The one list of deliberate differences: "horovod.module.name[.method]" ->
 # "absent: why" (the name fails with a HorovodNameError), "signature: why"
@@ -48,17 +48,17 @@ _TF1 = "absent: TF1 graphs and sessions, which TensorFlow 2 and mpitrain do not 
 _UNREGISTERED = ("behaviour: raises ValueError for a set not registered, where Horovod "
                  "returns None, which would hide the mistake")
 DIFFERENCES = {
-    "horovod.torch.check_extension": _HELPER,
-    "horovod.tensorflow.check_extension": _HELPER,
-    "horovod.tensorflow.check_num_rank_power_of_2": _HELPER,
-    "horovod.tensorflow.gpu_available": _HELPER,
-    "horovod.tensorflow.split_list": _HELPER,
-    "horovod.tensorflow.vars_to_refs": _HELPER,
-    "horovod.tensorflow.refs_to_vars": _HELPER,
-    "horovod.tensorflow.handle_average_backwards_compatibility": _HELPER,
-    "horovod.tensorflow.LocalGradientAggregationHelper": _HELPER,
-    "horovod.tensorflow.keras.is_version_greater_equal_than": _HELPER,
-    "horovod.tensorflow.keras.callbacks.is_version_greater_equal_than": _HELPER,
+    "horovod.torch.check_extension": HELPER,
+    "horovod.tensorflow.check_extension": HELPER,
+    "horovod.tensorflow.check_num_rank_power_of_2": HELPER,
+    "horovod.tensorflow.gpu_available": HELPER,
+    "horovod.tensorflow.split_list": HELPER,
+    "horovod.tensorflow.vars_to_refs": HELPER,
+    "horovod.tensorflow.refs_to_vars": HELPER,
+    "horovod.tensorflow.handle_average_backwards_compatibility": HELPER,
+    "horovod.tensorflow.LocalGradientAggregationHelper": HELPER,
+    "horovod.tensorflow.keras.is_version_greater_equal_than": HELPER,
+    "horovod.tensorflow.keras.callbacks.is_version_greater_equal_than": HELPER,
     "horovod.tensorflow.broadcast_global_variables": _TF1,
     "horovod.tensorflow.BroadcastGlobalVariablesHook": _TF1,
     "horovod.tensorflow.broadcast_object_fn": _TF1,
