@@ -98,8 +98,13 @@ class GradientReducer:
         self.local.add(id(variable))
 
     def reduce(self, gradients, variables=None):
-        """The reduced gradients, in order; ``variables`` tell groups and local ones."""
+        """The reduced gradients, in order; ``variables`` tell groups and local ones.
+
+        A rank outside the process set keeps its own gradients, as in Horovod.
+        """
         gradients = list(gradients)
+        if not self.process_set.included():
+            return gradients
         results = list(gradients)
         local = ([id(v) in self.local for v in variables] if self.local and variables
                  else [False] * len(gradients))
