@@ -229,7 +229,7 @@ class _DistributedOptimizer:
         plan = broadcast_object(
             buckets.plan(candidates, self._names, threshold or buckets.DEFAULT_CAP)
             if self._process_set.rank() == 0 else None,
-            0, "DistributedOptimizer.buckets", self._process_set)
+            self._process_set.ranks[0], "DistributedOptimizer.buckets", self._process_set)
         ungrouped = {self._names[p]: p for p in self._trained if p not in self._unit_of}
         self._buckets = buckets.form(plan, ungrouped, self._process_set.rank())
         for bucket in self._buckets:
@@ -429,7 +429,7 @@ def _form_groups(trained, groups, names, process_set):
             raise ValueError("groups must be a positive number of groups or a list "
                              f"of lists of parameters, got {groups!r}")
         # Every rank must form the same groups: follow rank 0's parameter order.
-        order = broadcast_object([names[p] for p in trained], 0,
+        order = broadcast_object([names[p] for p in trained], process_set.ranks[0],
                                  "DistributedOptimizer.parameter_order", process_set)
         by_name = {names[p]: p for p in trained}
         ordered = [by_name.pop(name) for name in order if name in by_name]
