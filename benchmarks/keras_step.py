@@ -13,15 +13,18 @@ One run measures, alternating in rounds so that load changes hit all alike
   dist step    the same model with hvd.DistributedOptimizer(SGD)
   tf op        the gradient allreduce alone, as the step runs it: one op in a
                tf.function on tensors shaped like the gradients
-  numpy body   what that op runs on numpy arrays: pack (averaging folded in)
-               into a reused buffer, the core's allreduce in place
+  numpy body   what that op runs on numpy arrays (GradientReducer.reduce_arrays):
+               a grouped allreduce streamed through shared memory where the
+               job streams, else a pack (averaging folded in) into a reused
+               buffer and the core's allreduce in place
   raw MPI      mpi4py Allreduce (in place) of the same bytes, one buffer,
                in one call and in the core's chunks (MPITRAIN_CHUNK_SIZE);
                the faster of the two is the floor
 
 so that dist - plain+sync is the cost of communication per step, tf op -
 numpy body the cost of crossing between TensorFlow and numpy, numpy body -
-raw MPI the packing copy and the engine's own cost, and raw MPI the floor.
+raw MPI the engine's own cost (and the packing copy, where it packs), and
+raw MPI the floor.
 """
 
 import argparse
@@ -35,11 +38,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-import mpitrain as mt  # noqa: E402
 from mpitrain.runtime.config import Config  # noqa: E402
 import mpitrain.tensorflow.keras as hvd  # noqa: E402
 from mpitrain.tensorflow.gradient_reduction import GradientReducer  # noqa: E402
-from mpitrain.tensorflow.packed import PackedReducer  # noqa: E402
 
 
 def build_model(optimizer, width, features):
@@ -94,7 +95,6 @@ def main():
     reducer = GradientReducer()
     tf_op = tf.function(lambda grads: reducer.reduce(grads))
     arrays = [np.ones(s, np.float32) for s in shapes]
-    packed = PackedReducer()
     buffer = np.ones(count, np.float32)
     step = Config().chunk_size // buffer.itemsize
     chunks = [buffer[i:i + step] for i in range(0, count, step)]
@@ -104,8 +104,7 @@ def main():
         "plain+sync": lambda: (plain.train_on_batch(x, y), comm.Barrier()),
         "dist step": lambda: dist.train_on_batch(x, y),
         "tf op": lambda: tf_op(gradients),      # eager results: the op has run
-        "numpy body": lambda: packed.reduce(arrays, "benchmark.numpy", mt.Average, 1.0, 1.0,
-                                            mt.global_process_set),
+        "numpy body": lambda: reducer.reduce_arrays(arrays, "benchmark.numpy"),
         "raw MPI 1 call": lambda: comm.Allreduce(MPI.IN_PLACE, buffer),
         "raw MPI chunks": lambda: [comm.Allreduce(MPI.IN_PLACE, c) for c in chunks],
     }
@@ -133,7 +132,7 @@ def main():
               f"= raw MPI x {overhead / raw:.2f}")
         print(f"  TensorFlow <-> numpy (tf op - numpy body):       "
               f"{median['tf op'] - median['numpy body']:8.2f} ms")
-        print(f"  packing and engine (numpy body - raw MPI):       "
+        print(f"  engine and packing (numpy body - raw MPI):       "
               f"{median['numpy body'] - raw:8.2f} ms")
         print(f"  MPI (raw Allreduce of the same bytes):           {raw:8.2f} ms")
         print(f"  rest (dist - plain+sync - tf op):                "

@@ -272,3 +272,31 @@ def test_integer_averages_and_nan_maxima_through_tensorflow():
     x = tf.constant([float("nan") if r == 1 else 1.0, 2.0])
     top = hvd.allreduce(x, op=hvd.Max, name="tf.nan.max")
     assert np.isnan(top.numpy()[0]) and top.numpy()[1] == 2.0
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_gradients_large_enough_to_stream_average_and_stay_valid_when_held():
+    """Past 256 KiB the gradients go as a grouped allreduce streamed through
+    shared memory instead of a packed buffer: the values, results held across
+    steps, and a layout that differs between ranks must behave the same."""
+    one_thread()
+    r, n = hvd.rank(), hvd.size()
+    a, b = tf.Variable(tf.ones([256, 300])), tf.Variable(tf.ones([70000]))
+
+    def gradients(scale, sources):
+        with tf.GradientTape() as tape:
+            loss = scale * (tf.reduce_sum(a) + 2.0 * tf.reduce_sum(b))
+        return hvd.DistributedGradientTape(tape).gradient(loss, sources)
+
+    for run in (lambda scale: gradients(scale, [a, b]),
+                tf.function(lambda scale: gradients(scale, [a, b]))):
+        held = [run(tf.constant(float(r + 1))) for _ in range(3)]
+        later = run(tf.constant(10.0 * (r + 1)))
+        for ga, gb in held:
+            np.testing.assert_allclose(ga.numpy(), np.full((256, 300), (n + 1) / 2))
+            np.testing.assert_allclose(gb.numpy(), np.full(70000, n + 1.0))
+        np.testing.assert_allclose(later[0].numpy(), np.full((256, 300), 5.0 * (n + 1)))
+    sources = [a, b] if r != 1 else [b, a]
+    with pytest.raises(tf.errors.OpError, match="shape") as caught:
+        gradients(1.0, sources)
+    assert "(256, 300)" in str(caught.value) and "(70000,)" in str(caught.value)

@@ -8,7 +8,7 @@ from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.ops import Adasum, Average, ReduceOp, Sum
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.compression import Compression, choice
-from mpitrain.tensorflow.packed import PACKABLE, PackedReducer
+from mpitrain.tensorflow.packed import PACKABLE, PackedReducer, streamed
 from mpitrain.tensorflow.primitives import allreduce_arrays
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
 
@@ -162,7 +162,7 @@ class GradientReducer:
         return True
 
     def _reduce_group(self, tensors):
-        """One op; float32/float64 gradients go through packed buffers, one per dtype."""
+        """One op; the gradients of each dtype go together (reduce_arrays)."""
         name = graph_op.collective_name(None, "gradients")
 
         def body(arrays):
@@ -172,18 +172,29 @@ class GradientReducer:
                 by_dtype.setdefault(array.dtype, []).append(i)
             for dtype, members in by_dtype.items():
                 part = None if name is None else f"{name}.{dtype.name}"
-                # Adasum combines each tensor alone: a packed buffer would hide
-                # where one ends.
-                packable = (dtype in PACKABLE and type(arrays[members[0]]) is np.ndarray
-                            and self.op != Adasum)
-                reduce = self.packed.reduce if packable else allreduce_arrays
-                values = reduce([arrays[i] for i in members], part, self.op, self.prescale,
-                                self.postscale, self.process_set)
+                values = self.reduce_arrays([arrays[i] for i in members], part)
                 for i, value in zip(members, values):
                     results[i] = value
             return results
         return graph_op.run(body, tensors, [t.dtype for t in tensors],
                             [t.shape for t in tensors], "allreduce")
+
+    def reduce_arrays(self, arrays, name):
+        """Reduce numpy arrays of one dtype together, as one op's body does.
+
+        Float32/float64 host gradients are packed into one buffer that the
+        engine reduces in place and TensorFlow adopts views of, unless the
+        engine streams them through shared memory: a grouped allreduce then
+        reads them where they lie and writes results TensorFlow adopts, and
+        packing would only add a copy. Adasum combines each tensor alone: a
+        packed buffer would hide where one ends.
+        """
+        packable = (arrays[0].dtype in PACKABLE and type(arrays[0]) is np.ndarray
+                    and self.op != Adasum
+                    and not streamed(self.process_set, sum(a.nbytes for a in arrays)))
+        reduce = self.packed.reduce if packable else allreduce_arrays
+        return reduce(arrays, name, self.op, self.prescale, self.postscale,
+                      self.process_set)
 
     def _split(self, indices, variables):
         if not indices:

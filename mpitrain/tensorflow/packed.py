@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 
 import mpitrain as mt
+from mpitrain.api import basics
 from mpitrain.backends.arrays import ALIGNMENT
 from mpitrain.engine.recycled import RecycledBuffers
 from mpitrain.errors import MismatchError
@@ -46,6 +47,14 @@ class _Packing:
         return [buffer[offset:offset + int(np.prod(shape, dtype=np.int64))
                        * self.dtype.itemsize].view(self.dtype).reshape(shape)
                 for offset, (shape, _) in zip(self.offsets, self.layout)]
+
+
+def streamed(process_set, nbytes):
+    """Would the engine stream a fused group of nbytes of host arrays of this
+    set through shared memory (mpitrain.engine.streaming)?"""
+    controller = basics.engine().controller_for(process_set.process_set_id)
+    return (controller is not None and controller.streams_from is not None
+            and nbytes >= controller.streams_from)
 
 
 class PackedReducer:
