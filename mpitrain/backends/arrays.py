@@ -8,10 +8,10 @@ backend and transports only: mpitrain imports and runs without it.
 
 import functools
 import math
+import sys
 import warnings
 
 import numpy as np
-from mpi4py import MPI
 
 ALIGNMENT = 64   # frameworks adopt buffers aligned like this without copying them
 
@@ -37,10 +37,11 @@ def aligned_bytes(owner, nbytes):
 
 def host_address(array):
     """Where the data of a numpy array starts in memory."""
-    if array.flags.c_contiguous:
+    mpi = sys.modules.get("mpi4py.MPI")     # importing it here would start MPI
+    if mpi is not None and array.flags.c_contiguous:
         # A tenth of the time of __array_interface__ or .ctypes, which
         # counts on paths run once per tensor.
-        return MPI.buffer(array).address
+        return mpi.buffer(array).address
     return array.__array_interface__["data"][0]
 
 
