@@ -108,7 +108,7 @@ if spanning.included():
         mt.allreduce(np.full(3, float(r)), op=mt.Sum, process_set=spanning), 2.0)
     np.testing.assert_array_equal(mt.allgather(np.array([r]), process_set=spanning),
                                   [0, 2])
-    assert mt.broadcast(np.array([r]), root_rank=1, process_set=spanning)[0] == 2
+    assert mt.broadcast(np.array([r]), root_rank=2, process_set=spanning)[0] == 2
 mt.barrier()
 
 print(f"collectives right on rank {r}", flush=True)
