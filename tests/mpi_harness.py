@@ -192,3 +192,15 @@ def _rank_counts(test):
         if mark.name == "parametrize" and mark.args[0] == "nprocs":
             return mark.args[1]
     return ()
+
+
+def on_a_new_process_set(ranks, body):
+    """Inside a job: add a process set of ``ranks``, run body(rank, process_set)
+    on its members, and remove the set again on every rank."""
+    import mpitrain as mt
+    process_set = mt.add_process_set(list(ranks))
+    try:
+        if mt.rank() in ranks:
+            body(mt.rank(), process_set)
+    finally:
+        mt.remove_process_set(process_set)

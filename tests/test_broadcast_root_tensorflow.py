@@ -4,7 +4,7 @@ rank of the job, as Horovod does (numpy's are in tests/test_process_sets.py)."""
 import numpy as np
 import pytest
 
-from tests.mpi_harness import mpi_test
+from tests.mpi_harness import mpi_test, on_a_new_process_set
 
 tf = pytest.importorskip("tensorflow")
 
@@ -42,12 +42,7 @@ def on_the_set_of_ranks_1_and_2(r, upper):
 def test_on_a_set_root_rank_is_a_rank_of_the_job():
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    upper = hvd.add_process_set([1, 2])
-    try:
-        if hvd.rank() in (1, 2):
-            on_the_set_of_ranks_1_and_2(hvd.rank(), upper)
-    finally:
-        hvd.remove_process_set(upper)
+    on_a_new_process_set((1, 2), on_the_set_of_ranks_1_and_2)
 
 
 

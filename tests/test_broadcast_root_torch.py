@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mpitrain.torch as hvd
-from tests.mpi_harness import mpi_test
+from tests.mpi_harness import mpi_test, on_a_new_process_set
 
 torch.set_num_threads(1)
 
@@ -44,10 +44,5 @@ def on_the_set_of_ranks_1_and_2(r, upper):
 
 @mpi_test(np=(3,))
 def test_on_a_set_root_rank_is_a_rank_of_the_job():
-    upper = hvd.add_process_set([1, 2])
-    try:
-        if hvd.rank() in (1, 2):
-            on_the_set_of_ranks_1_and_2(hvd.rank(), upper)
-    finally:
-        hvd.remove_process_set(upper)
+    on_a_new_process_set((1, 2), on_the_set_of_ranks_1_and_2)
 

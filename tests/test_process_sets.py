@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mpitrain as mt
-from tests.mpi_harness import mpi_test
+from tests.mpi_harness import mpi_test, on_a_new_process_set
 
 
 @mpi_test(np=(3,), init=False)
@@ -127,12 +127,7 @@ def broadcast_on_the_set_of_ranks_1_and_2(r, upper):
 def test_a_broadcast_root_on_a_set_is_a_rank_of_the_job():
     """As in Horovod: on the set {1, 2}, root_rank=2 is the job's rank 2, and
     rank 0, outside the set, fails on every member."""
-    upper = mt.add_process_set([1, 2])
-    try:
-        if mt.rank() in (1, 2):
-            broadcast_on_the_set_of_ranks_1_and_2(mt.rank(), upper)
-    finally:
-        mt.remove_process_set(upper)
+    on_a_new_process_set((1, 2), broadcast_on_the_set_of_ranks_1_and_2)
 
 
 @mpi_test(np=(3,))

@@ -220,11 +220,12 @@ def test_errors_map_to_tf_errors_and_name_the_tensor():
                                   [hvd.size()] * 2)
 
 
-@mpi_test(env=TF_ENV, timeout=120)
-def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
-    one_thread()
+def tape_gradients_averaged_and_held(shape_a, shape_b):
+    """Variables a and b with the tape's gradients of scale * (sum(a) + 2 sum(b)),
+    checked eagerly and in tf.function: averaged, and results held across
+    later steps untouched. Returns a, b and gradients(scale, sources)."""
     r, n = hvd.rank(), hvd.size()
-    a, b = tf.Variable(tf.ones([2, 3])), tf.Variable(tf.ones([6]))
+    a, b = tf.Variable(tf.ones(shape_a)), tf.Variable(tf.ones(shape_b))
 
     def gradients(scale, sources):
         with tf.GradientTape() as tape:
@@ -236,9 +237,18 @@ def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
         held = [run(tf.constant(float(r + 1))) for _ in range(3)]   # all kept alive
         later = run(tf.constant(10.0 * (r + 1)))
         for ga, gb in held:                 # earlier results untouched by later steps
-            np.testing.assert_allclose(ga.numpy(), np.full((2, 3), (n + 1) / 2))
-            np.testing.assert_allclose(gb.numpy(), np.full(6, n + 1.0))
-        np.testing.assert_allclose(later[1].numpy(), np.full(6, 10.0 * (n + 1)))
+            np.testing.assert_allclose(ga.numpy(), np.full(shape_a, (n + 1) / 2))
+            np.testing.assert_allclose(gb.numpy(), np.full(shape_b, n + 1.0))
+        np.testing.assert_allclose(later[0].numpy(), np.full(shape_a, 5.0 * (n + 1)))
+        np.testing.assert_allclose(later[1].numpy(), np.full(shape_b, 10.0 * (n + 1)))
+    return a, b, gradients
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_tape_gradients_stay_valid_and_layout_mismatch_is_an_error_everywhere():
+    one_thread()
+    r, n = hvd.rank(), hvd.size()
+    a, b, gradients = tape_gradients_averaged_and_held((2, 3), (6,))
     with tf.GradientTape() as tape:
         loss = float(r + 1) * (tf.reduce_sum(a) + 2.0 * tf.reduce_sum(b))
     options = dict(groups=[[b]], compression=hvd.Compression.fp16, op=hvd.Sum,
@@ -280,23 +290,8 @@ def test_gradients_large_enough_to_stream_average_and_stay_valid_when_held():
     shared memory instead of a packed buffer: the values, results held across
     steps, and a layout that differs between ranks must behave the same."""
     one_thread()
-    r, n = hvd.rank(), hvd.size()
-    a, b = tf.Variable(tf.ones([256, 300])), tf.Variable(tf.ones([70000]))
-
-    def gradients(scale, sources):
-        with tf.GradientTape() as tape:
-            loss = scale * (tf.reduce_sum(a) + 2.0 * tf.reduce_sum(b))
-        return hvd.DistributedGradientTape(tape).gradient(loss, sources)
-
-    for run in (lambda scale: gradients(scale, [a, b]),
-                tf.function(lambda scale: gradients(scale, [a, b]))):
-        held = [run(tf.constant(float(r + 1))) for _ in range(3)]
-        later = run(tf.constant(10.0 * (r + 1)))
-        for ga, gb in held:
-            np.testing.assert_allclose(ga.numpy(), np.full((256, 300), (n + 1) / 2))
-            np.testing.assert_allclose(gb.numpy(), np.full(70000, n + 1.0))
-        np.testing.assert_allclose(later[0].numpy(), np.full((256, 300), 5.0 * (n + 1)))
-    sources = [a, b] if r != 1 else [b, a]
+    a, b, gradients = tape_gradients_averaged_and_held((256, 300), (70000,))
+    sources = [a, b] if hvd.rank() != 1 else [b, a]
     with pytest.raises(tf.errors.OpError, match="shape") as caught:
         gradients(1.0, sources)
     assert "(256, 300)" in str(caught.value) and "(70000,)" in str(caught.value)
