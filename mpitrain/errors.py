@@ -54,3 +54,21 @@ def not_a_cast_compressor(call, compression):
         "sends its own payload and works only as DistributedOptimizer(compression=...) "
         f"or DistributedGradientTape(compression=...); {call} takes Compression.none, "
         ".fp16, .bf16 or a Horovod-style compressor (docs/compression.md)")
+
+
+class RankNames:
+    """How errors on a process set name its members: by their rank in the job,
+    the number users know, not their rank in the set. On the job-wide set
+    (id 0) the two agree, and errors say just "rank N"."""
+
+    def __init__(self, set_id, job_ranks):
+        self.job_ranks = job_ranks                # set rank -> job rank
+        self.of_the_job = "" if set_id == 0 else " of the job"
+        self.members = ("ranks" if set_id == 0
+                        else f"process set {set_id} (ranks {list(job_ranks)})")
+
+    def __call__(self, set_ranks):
+        """'rank 2 of the job', 'ranks 1, 2 of the job' (set 0: 'rank 2')."""
+        ranks = [self.job_ranks[rank] for rank in set_ranks]
+        return (f"rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))}{self.of_the_job}")

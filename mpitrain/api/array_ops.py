@@ -248,8 +248,8 @@ def _submit(engine, controller, prepared):
 
 def _raise(controller, handles, kind, problem):
     names = ", ".join(f"'{handle.name}'" for handle in handles)
-    raise ERROR_CLASSES[kind](f"{handles[0].kind.label} of {names} failed on rank "
-                              f"{controller.rank}: {problem}")
+    raise ERROR_CLASSES[kind](f"{handles[0].kind.label} of {names} failed on "
+                              f"{controller.rank_names([controller.rank])}: {problem}")
 
 
 def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, root=-1,

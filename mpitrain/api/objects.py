@@ -11,7 +11,7 @@ import numpy as np
 from mpitrain.api import array_ops
 from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.engine import naming
-from mpitrain.errors import CollectiveTypeError
+from mpitrain.errors import CollectiveTypeError, RankNames
 from mpitrain.ops import OpType
 
 
@@ -35,7 +35,7 @@ def _name(name, kind, process_set):
 
 
 def _unpickled(data, source, problems):
-    """The object pickled in ``data`` by rank ``source``, or None after noting
+    """The object pickled in ``data`` by job rank ``source``, or None after noting
     in ``problems`` why this rank cannot unpickle it."""
     try:
         return pickle.loads(data)
@@ -54,8 +54,10 @@ def _agree(label, name, problems, process_set):
                                process_set).any():
         return
     reports = allgather_object(mine, report, process_set)
+    rank_names = RankNames(process_set.process_set_id, process_set.ranks)
     raise CollectiveTypeError(f"{label} of '{name}' failed: " + "; ".join(
-        f"on rank {rank}, {report}" for rank, report in enumerate(reports) if report))
+        f"on {rank_names([rank])}, {report}"
+        for rank, report in enumerate(reports) if report))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
@@ -93,7 +95,7 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     gathered = array_ops.allgather(data, bytes_name, process_set)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     problems = []
-    results = [_unpickled(gathered[offsets[r]:offsets[r + 1]], r, problems)
-               for r in range(len(sizes))]
+    results = [_unpickled(gathered[offsets[r]:offsets[r + 1]], process_set.ranks[r],
+                          problems) for r in range(len(sizes))]
     _agree("allgather_object", name, problems, process_set)
     return results

@@ -23,7 +23,7 @@ from mpitrain.engine.executor import Executor
 from mpitrain.engine.handles import notify_waiters
 from mpitrain.engine.messages import Response
 from mpitrain.engine.stall import StallInspector
-from mpitrain.errors import ERROR_CLASSES, GpuError, MpitrainInternalError
+from mpitrain.errors import ERROR_CLASSES, GpuError, MpitrainInternalError, RankNames
 from mpitrain.ops import OpType
 from mpitrain.transport.channel import ROUND, Channel
 from mpitrain.transport.device import DeviceTransport
@@ -50,6 +50,7 @@ class SetController:
         self.engine = engine
         self.set_id = set_id
         self.ranks = ranks
+        self.rank_names = RankNames(set_id, ranks)      # for errors, in job ranks
         self.channel = Channel(comm, blocking, engine.config.chunk_size,
                                engine.watch.call if blocking else None,
                                engine.host_route if set_id == 0 else None)
@@ -66,7 +67,8 @@ class SetController:
         self.stall_after = (None if config.stall_check_disable
                             else config.stall_check_time)
         self.cache = ResponseCache(config.cache_capacity)
-        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self.coordinator = (Coordinator(self.size, self.rank_names)
+                            if self.rank == 0 else None)
         self.stall = StallInspector(config, set_id, ranks) if self.rank == 0 else None
         self.stall_recheck = 0.0      # no stall shutdown before (busy ranks)
         self.tuner = (Autotuner(config, time.monotonic())
@@ -75,7 +77,7 @@ class SetController:
         self.executor = Executor(
             self.channel, self.buffers, self._finish, self._fail, engine.timeline,
             DeviceTransport(engine.device_plan, engine.cuda_aware,
-                            engine.topology.node, set_id))
+                            engine.topology.node, set_id), self.rank_names)
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.claims = MemoryClaims()  # the arrays of in_flight, under engine.lock
         self.incoming = []            # entries not yet seen by the engine
@@ -356,7 +358,8 @@ class SetController:
             if timeline is not None:
                 for requests_of_rank in gathered:
                     for request in requests_of_rank:
-                        timeline.mark(request.name, f"rank {request.rank} ready")
+                        timeline.mark(request.name,
+                                      f"rank {self.ranks[request.rank]} ready")
             responses = self.coordinator.receive(gathered, time.monotonic())
             if self.tuner and self.tuner.pending:
                 responses.append(Response(OpType.PARAMETERS, "autotune",

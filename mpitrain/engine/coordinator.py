@@ -8,14 +8,16 @@ operation fails on every rank instead of hanging.
 
 from mpitrain.backends import dtypes
 from mpitrain.engine.messages import Response
+from mpitrain.errors import RankNames
 from mpitrain.ops import OpType, ReduceOp
 
 _JOIN_ALLOWED = frozenset({OpType.ALLREDUCE})
 
 
 class Coordinator:
-    def __init__(self, size):
+    def __init__(self, size, rank_names=None):
         self.size = size
+        self.rank_names = rank_names or RankNames(0, range(size))   # for its errors
         self.table = {}            # name -> {rank: Request}, in arrival order
         self.first_seen = {}       # name -> monotonic time of the first request
         self.joined = set()
@@ -45,7 +47,8 @@ class Coordinator:
         responses = []
         for name in ready:
             self.first_seen.pop(name)
-            responses.append(build_response(name, self.table.pop(name), self.joined))
+            responses.append(build_response(name, self.table.pop(name), self.joined,
+                                            self.rank_names))
         if len(self.joined) == self.size:
             responses.append(Response(OpType.JOIN, "join",
                                       last_joined_rank=self.last_joined_rank))
@@ -61,30 +64,36 @@ class Coordinator:
                 for name, ranks in self.table.items()}
 
 
-def build_response(name, requests, joined):
-    """Validate one name's requests from every rank and build its response."""
+def build_response(name, requests, joined, rank_names):
+    """Validate one name's requests from every rank and build its response;
+    errors name ranks as ``rank_names`` (a RankNames) does."""
     ordered = [requests[rank] for rank in sorted(requests)]
     first = ordered[0]
     label = f"{first.kind.label} of '{name}'"
     failed = [r for r in ordered if r.error]
     if failed:
         kinds = {r.error_kind for r in failed}
+        message = f"{label} failed on {rank_names([r.rank for r in failed])}: "
         if len(failed) == 1:
-            message = f"{label} failed on rank {failed[0].rank}: {failed[0].error}"
+            message += failed[0].error
         else:
-            message = (f"{label} failed on ranks "
-                       f"{', '.join(str(r.rank) for r in failed)}: "
-                       + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+            jobs = rank_names.job_ranks
+            message += "; ".join(f"rank {jobs[r.rank]}: {r.error}" for r in failed)
         return _error(name, kinds.pop() if len(kinds) == 1 else "value", message)
     problem = _mismatch(ordered)
     if problem:
         what, values = problem
-        return _error(name, "mismatch",
-                      f"{label} failed: mismatched {what} across ranks: {values}")
+        jobs = rank_names.job_ranks
+        if what == _ROOTS:
+            values = {rank: jobs[root] for rank, root in values.items()}
+        values = describe_by_rank({jobs[rank]: value for rank, value in values.items()})
+        return _error(name, "mismatch", f"{label} failed: mismatched {what} across "
+                                        f"{rank_names.members}: {values}")
     if joined and first.kind not in _JOIN_ALLOWED:
         return _error(name, "value",
                       f"{label} failed: {first.kind.label} is not supported while "
-                      f"rank(s) {', '.join(map(str, sorted(joined)))} have joined; "
+                      f"{rank_names(sorted(joined))} "
+                      f"{'has' if len(joined) == 1 else 'have'} joined; "
                       "only allreduce works with join (use sparse_as_dense=True "
                       "in DistributedOptimizer)")
     response = Response(first.kind, name, dtype=first.dtype, shape=first.shape,
@@ -111,8 +120,11 @@ def _op_name(code):
     return ReduceOp(code).name.capitalize()
 
 
+_ROOTS = "root ranks"        # of a broadcast: set ranks, which errors show in the job
+
+
 def _mismatch(ordered):
-    """(what, values by rank) of the first parameter that differs, or None."""
+    """(what, {set rank: value}) of the first parameter that differs, or None."""
     kind = ordered[0].kind
     checks = [("operations", lambda r: r.kind.label)]
     if any(r.site for r in ordered):
@@ -130,7 +142,7 @@ def _mismatch(ordered):
                    ("prescale factors", lambda r: r.prescale),
                    ("postscale factors", lambda r: r.postscale)]
     if kind == OpType.BROADCAST:
-        checks.append(("root ranks", lambda r: r.root))
+        checks.append((_ROOTS, lambda r: r.root))
     if kind in (OpType.ALLGATHER, OpType.ALLTOALL):
         checks += [("numbers of dimensions", lambda r: len(r.shape)),
                    ("shapes beyond the first dimension", lambda r: r.shape[1:])]
@@ -141,7 +153,7 @@ def _mismatch(ordered):
     for what, value_of in checks:
         values = {r.rank: value_of(r) for r in ordered}
         if len(set(map(repr, values.values()))) > 1:
-            return what, describe_by_rank(values)
+            return what, values
     return None
 
 

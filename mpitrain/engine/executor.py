@@ -24,7 +24,7 @@ from mpitrain.transport.device import STAGED
 
 
 class Executor:
-    def __init__(self, channel, buffers, finish, fail, timeline, devices):
+    def __init__(self, channel, buffers, finish, fail, timeline, devices, rank_names):
         self.channel = channel
         self.buffers = buffers
         self.results = RecycledBuffers()   # out-of-place results in host memory
@@ -32,6 +32,7 @@ class Executor:
         self.fail = fail              # fail(entry, error), this rank only
         self.timeline = timeline      # holder with .current: Timeline or None
         self.devices = devices        # how device buffers travel: transport.device.DeviceTransport
+        self.rank_names = rank_names  # errors.RankNames: errors name ranks of the job
 
     def run(self, group, entries):
         response = group.responses[0]
@@ -107,8 +108,7 @@ class Executor:
                     f"{group.responses[0].kind.label} of {listed(group.names)} "
                     "failed: the GPU "
                     "path could not be set up (" + "; ".join(
-                        f"rank{'s' if len(ranks) > 1 else ''} "
-                        f"{', '.join(map(str, ranks))}: {cause}"
+                        f"{self.rank_names(ranks)}: {cause}"
                         for cause, ranks in ranks_of.items()) + ")")
         return failed
 
@@ -322,9 +322,9 @@ class Executor:
                 result = backend.from_numpy(result, entry.output)
         except Exception as error:    # the others have their results: fail only here
             self.fail(entry, GpuError(
-                f"{response.kind.label} of '{response.name}' failed on rank "
-                f"{self.channel.rank}: its result could not be copied back to GPU "
-                f"{entry.device}: {type(error).__name__}: {error}"))
+                f"{response.kind.label} of '{response.name}' failed on "
+                f"{self.rank_names([self.channel.rank])}: its result could not be "
+                f"copied back to GPU {entry.device}: {type(error).__name__}: {error}"))
             return
         self.finish(entry, result)
 

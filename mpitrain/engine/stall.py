@@ -2,6 +2,8 @@
 
 import logging
 
+from mpitrain.errors import RankNames
+
 log = logging.getLogger("mpitrain.stall")
 
 _NAMES_PER_RANK = 6
@@ -10,7 +12,7 @@ _NAMES_PER_RANK = 6
 class StallInspector:
     def __init__(self, config, set_id, global_ranks):
         self.where = ("" if set_id == 0 else
-                      f" on process set {set_id} (ranks {list(global_ranks)})")
+                      f" on {RankNames(set_id, global_ranks).members}")
         self.disabled = config.stall_check_disable
         self.warn_after = config.stall_check_time
         self.shutdown_after = config.stall_shutdown_time
