@@ -98,7 +98,8 @@ class PackedReducer:
             raise MismatchError(
                 f"allreduce of gradients '{name or 'unnamed'}' failed: mismatched "
                 "gradient shapes across ranks: "
-                + "; ".join(f"rank {r}: {shapes}" for r, shapes in enumerate(layouts)))
+                + "; ".join(f"rank {r}: {shapes}"
+                            for r, shapes in zip(process_set.ranks, layouts)))
         if data_error is not None:
             raise data_error
         return views

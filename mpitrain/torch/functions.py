@@ -63,8 +63,8 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
         except Exception as error:          # whatever it is, every rank must hear it
             failure, problem = error, f"{type(error).__name__}: {error}"
     problems = allgather_object(problem, "broadcast_optimizer_state.loaded", process_set)
-    failed = [f"rank {rank}: {problem}" for rank, problem in enumerate(problems)
-              if problem]
+    failed = [f"rank {rank}: {problem}"
+              for rank, problem in zip(process_set.ranks, problems) if problem]
     if failed:
         raise CollectiveValueError(
             f"broadcast_optimizer_state could not load rank {root_rank}'s state on "

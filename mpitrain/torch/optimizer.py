@@ -435,7 +435,8 @@ def _form_groups(trained, groups, names, process_set):
         ordered = [by_name.pop(name) for name in order if name in by_name]
         if by_name:
             raise ValueError(
-                f"rank {process_set.rank()} has parameters that rank 0 lacks: "
+                f"rank {process_set.ranks[process_set.rank()]} has parameters that rank "
+                f"{process_set.ranks[0]} lacks: "
                 f"{', '.join(sorted(by_name))}; every rank must build the same model")
         size, extra = divmod(len(ordered), groups)
         formed, start = [], 0
