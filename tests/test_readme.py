@@ -5,9 +5,11 @@ install exist."""
 import importlib.metadata
 import os
 import re
+import shlex
 import subprocess
 import sys
 
+from mpitrain.launcher import run
 from tests.mpi_harness import ROOT, job_environment
 
 
@@ -46,3 +48,15 @@ def test_the_launcher_runs_the_numpy_example_on_two_ranks():
     assert "weights identical on all 2 ranks: True" in result.stdout
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.6
+
+
+def test_the_two_machine_command_gives_the_remote_ranks_this_environments_python(capsys):
+    (line,) = [line for line in "\n".join(readme_commands()).splitlines()
+               if "# two machines" in line]
+    launcher, *args = shlex.split(line, comments=True)
+    assert launcher == ".venv/bin/mpitrainrun" and args[-2:] == ["python", "train.py"]
+    assert run.main(["--dry-run"] + args, job_environment()) == 0
+    mpirun_line = capsys.readouterr().out
+    assert "--host node1:4,node2:4" in mpirun_line
+    # Remote ranks start with their own login PATH unless mpirun passes this one on.
+    assert "-x PATH " in mpirun_line

@@ -320,10 +320,12 @@ def mpirun_command(mpirun, flavor, args, hosts, env):
     elif flavor == "openmpi" and args.nprocs > cores():
         line.append("--oversubscribe")
     if not all_on_this_machine(hosts):
-        # Remote ranks do not inherit this shell's environment.
+        # Remote ranks do not inherit this shell's environment; PATH, led by
+        # this environment's bin/, makes a plain `python` there this
+        # environment's too (where it lies at the same path, as horovodrun assumes).
         forwarded = sorted(name for name in env
                            if name.startswith(("MPITRAIN_", "HOROVOD_", "NCCL_"))
-                           or name in QUIET_TENSORFLOW)
+                           or name in QUIET_TENSORFLOW or name == "PATH")
         for name in forwarded:
             line += ["-x", name] if flavor == "openmpi" else ["-genv", name, env[name]]
     return line + shlex.split(args.mpi_args) + args.command
