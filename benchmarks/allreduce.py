@@ -271,7 +271,7 @@ def report(world, target_lines, sweep_rows, footer, out):
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "allreduce.md"), "w") as stream:
-            stream.write("# Allreduce benchmark\n\nProduced by `mpitrainrun -np "
+            stream.write("# Allreduce benchmark\n\nProduced by `.venv/bin/mpitrainrun -np "
                          f"{size} python benchmarks/allreduce.py --out {out}`.\n\n"
                          + text + "\n")
         plot(sweep_rows, size, os.path.join(out, "allreduce.png"))

@@ -50,7 +50,7 @@ ROUTES = {
 # fell back to another route would time the wrong thing.
 EXPECTED = {"flat": "MPI's allreduce across nodes",
             "hierarchical, shm": "hierarchical: shared memory",
-            "hierarchical, MPI": "hierarchical: MPI inside the node"}
+            "hierarchical, MPI": "hierarchical: MPI inside each"}
 PORT = 5201
 
 RECEIVER = f"""

@@ -126,7 +126,7 @@ def main():
                    for width in args.widths]
     results.sort(key=lambda result: result["parameters"])
     os.makedirs(args.out, exist_ok=True)
-    command = ("python benchmarks/plot_train_step.py --widths "
+    command = (".venv/bin/python benchmarks/plot_train_step.py --widths "
                + " ".join(map(str, args.widths))
                + f" --depth {args.depth} --steps {args.steps} --warmup {args.warmup}"
                + f" --ranks {args.ranks}")

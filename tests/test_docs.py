@@ -143,8 +143,6 @@ COMMAND_PAGES = ["README.md"] + sorted(
 RUNS_FROM_THE_ENVIRONMENT = ("mpitrainrun", "mpirun", "mpiexec", "python", "pip", "pytest")
 # Pages whose commands still say plain `mpitrainrun` (issue 18): the benchmark
 # pages are written by benchmarks/allreduce.py and benchmarks/plot_train_step.py.
-NOT_YET_SPELLED_UNACTIVATED = {"docs/topology.md", "docs/benchmarks/README.md",
-                               "docs/benchmarks/allreduce.md", "docs/benchmarks/train_step.md"}
 REPOSITORY_FILE = re.compile(r"^(?:examples|benchmarks|docs|docker|tests)/[\w./-]*\w$")
 
 
@@ -206,8 +204,7 @@ def command_problems(where, command):
         r"(?:^|\s)(MPITRAIN_\w+)=", command) if name not in config.variable_names()]
     for words in simple_commands(command):
         program = words[0]
-        if program in RUNS_FROM_THE_ENVIRONMENT and not where.startswith(
-                tuple(NOT_YET_SPELLED_UNACTIVATED)):
+        if program in RUNS_FROM_THE_ENVIRONMENT:
             problems.append(f"`{program}` is not on PATH until the environment is "
                             f"activated: write .venv/bin/{program}")
         if program.startswith(".venv/bin/") and not os.path.exists(
