@@ -86,6 +86,9 @@ def test_horovods_elastic_and_ssh_arguments_are_refused_with_what_to_do(argument
         mpitrain.run(print, np=2, **{argument: 2})
 
 
-def test_np_must_be_a_whole_number_of_ranks():
-    with pytest.raises(ValueError, match="np must be a whole number >= 1, not 0"):
+def test_the_rank_count_must_be_a_whole_number_of_ranks():
+    with pytest.raises(ValueError, match="num_proc must be a whole number >= 1, not 0"):
+        mpitrain.run(print, num_proc=0)
+    with pytest.warns(DeprecationWarning, match="np is deprecated, use num_proc"), \
+            pytest.raises(ValueError, match="np must be a whole number >= 1, not 0"):
         mpitrain.run(print, np=0)
