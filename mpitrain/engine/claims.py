@@ -33,10 +33,9 @@ class MemoryClaims:
     def claim(self, handle):
         """Record what ``handle`` reads and writes, or return why it may not."""
         target = address(handle.output)
-        # in place: writing covers reading
         source = None if handle.output is handle.input else address(handle.input)
         if target == source:
-            source = None
+            source = None                  # in place: writing covers reading
         if target is not None:
             other = self.writers.get(target) or next(iter(self.readers.get(target, ())),
                                                      None)

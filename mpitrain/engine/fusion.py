@@ -71,8 +71,9 @@ def plan(responses, threshold, streams_from=None):
     in its own memory; every other response runs alone. Where the set
     streams groups of ``streams_from`` bytes or more through shared memory
     (without the fusion buffer's copies, mpitrain.engine.streaming), large
-    allreduces that can stream join groups that reach that size. The plan depends only on the responses and the set's route, which
-    are identical on every rank, so every rank fuses identically.
+    allreduces that can stream join groups that reach that size. The plan
+    depends only on the responses and the set's route, which are identical
+    on every rank, so every rank fuses identically.
     """
     groups = []
     open_groups = {}

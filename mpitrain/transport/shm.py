@@ -146,21 +146,20 @@ class SharedMemoryAllreduce:
             for first, last in ((0, low), (high, stop - start)):
                 if first < last:
                     write(start + first, start + last, chunk[rank][first:last])
-            mine = buffer[start + low:start + high]
-            in_place = None if read is None or low == high else read(start + low,
-                                                                     start + high)
-            if fill is not None and low < high and in_place is None:
-                fill(start + low, start + high, mine)
+            own = None if read is None or low == high else read(start + low,
+                                                                start + high)
+            if own is None:
+                mine = buffer[start + low:start + high]
+                if fill is not None and low < high:
+                    fill(start + low, start + high, mine)
+                own = [(0, mine)]
             yield from self._barrier(guard)
             reduced = chunk[keeper][low:high]
             for other in others:
                 combine(reduced, chunk[other][low:high], out=reduced)
-            if in_place is None:
-                combine(reduced, mine, out=reduced)
-            else:
-                for offset, piece in in_place:
-                    part = reduced[offset:offset + piece.size]
-                    combine(part, piece, out=part)
+            for offset, piece in own:          # this rank's input, where it lies
+                part = reduced[offset:offset + piece.size]
+                combine(part, piece, out=part)
             if across is not None:
                 yield from across(reduced)
             yield from self._barrier(guard)
