@@ -197,3 +197,15 @@ def test_keras_checkpoint_carries_residuals_and_q_and_resumes_like_straight_thro
         assert all(np.array_equal(other, q) for other in everyone)
     if hvd.rank() == 0:
         shutil.rmtree(directory)
+
+
+def test_a_choice_per_variable_that_is_no_compressor_is_refused_by_name():
+    from mpitrain.tensorflow.compression import choice
+    _, choose = choice.split({"dense/kernel": hvd_tf.Compression.topk(0.5),
+                              "dense/bias": hvd_tf.Compression.none})
+    assert choose("dense/kernel", (4, 3)) is not None
+    assert choose("dense/bias", (3,)) is None
+    _, choose = choice.split(lambda name, shape: "fp16")
+    with pytest.raises(ValueError, match="compression chose 'fp16' for 'dense/bias': a "
+                                         "choice per variable is Compression.topk"):
+        choose("dense/bias", (3,))

@@ -263,3 +263,16 @@ def test_residuals_and_powersgd_state_travel_with_the_optimizer_state():
     assert torch.equal(compression_state(optimizer)["0.weight"]["residual"], mine)
     q = compression_state(optimizer)["2.weight"]["powersgd_q"]
     assert all(torch.equal(q, other) for other in hvd.allgather_object(q))
+
+
+def test_a_choice_per_parameter_that_is_no_compressor_is_refused_by_name():
+    from mpitrain.torch.compression import choice
+    weight, bias = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1))
+    names = {weight: "fc.weight", bias: "fc.bias"}
+    _, chosen = choice.split({"fc.weight": hvd.Compression.topk(0.5),
+                              "fc.bias": hvd.Compression.none}, [weight, bias], names)
+    assert list(chosen) == [weight]
+    with pytest.raises(ValueError, match="compression chose 'fp16' for 'fc.bias': a "
+                                         "choice per parameter is Compression.topk"):
+        choice.split(lambda name, p: "fp16" if name == "fc.bias" else None,
+                     [weight, bias], names)

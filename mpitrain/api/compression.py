@@ -42,6 +42,21 @@ def check_gathered_shapes(records, name):
                                      for rank, shape in enumerate(shapes)))
 
 
+def chosen_compressor(compressor, name, what, none, compressor_class):
+    """What a per-tensor choice (a dict's value, a function's result) gave for
+    ``name``: a compressor of ``compressor_class``, or None for uncompressed
+    (None or the framework's ``none`` cast); anything else is a ValueError.
+    what: "parameter" or "variable", as the framework calls the tensor."""
+    if compressor is None or compressor is none:
+        return None
+    if not isinstance(compressor, compressor_class):
+        raise ValueError(
+            f"compression chose {compressor!r} for '{name}': a choice per "
+            f"{what} is Compression.topk, .onebit, .int8, .int4, .powersgd "
+            "(or another GradientCompressor) or None for uncompressed")
+    return compressor
+
+
 class CompressorSettings:
     """The framework-neutral half of a GradientCompressor: ``min_elements``,
     the bytes it sent, and no state of its own."""

@@ -1,5 +1,6 @@
 """Which gradients a GradientReducer compresses, and with what."""
 
+from mpitrain.api.compression import chosen_compressor
 from mpitrain.tensorflow.compression.casts import NoneCompressor
 from mpitrain.tensorflow.compression.gathered import GradientCompressor
 
@@ -24,13 +25,6 @@ def split(compression):
 
 def _checked(choose):
     def checked(name, shape):
-        compressor = choose(name, shape)
-        if compressor is None or compressor is NoneCompressor:
-            return None
-        if not isinstance(compressor, GradientCompressor):
-            raise ValueError(
-                f"compression chose {compressor!r} for '{name}': a choice per "
-                "variable is Compression.topk, .onebit, .int8, .int4, .powersgd "
-                "(or another GradientCompressor) or None for uncompressed")
-        return compressor
+        return chosen_compressor(choose(name, shape), name, "variable", NoneCompressor,
+                                 GradientCompressor)
     return checked

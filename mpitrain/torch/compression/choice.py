@@ -1,5 +1,6 @@
 """Which parameters a DistributedOptimizer compresses, and with what."""
 
+from mpitrain.api.compression import chosen_compressor
 from mpitrain.torch.compression.base import GradientCompressor
 from mpitrain.torch.compression.casts import NoneCompressor
 
@@ -30,15 +31,10 @@ def split(compression, parameters, names):
 def _chosen(parameters, names, choose):
     chosen = {}
     for p in parameters:
-        compressor = choose(names[p], p)
-        if compressor is None or compressor is NoneCompressor:
-            continue
-        if not isinstance(compressor, GradientCompressor):
-            raise ValueError(
-                f"compression chose {compressor!r} for '{names[p]}': a choice per "
-                "parameter is Compression.topk, .onebit, .int8, .int4, .powersgd "
-                "(or another GradientCompressor) or None for uncompressed")
-        chosen[p] = compressor
+        compressor = chosen_compressor(choose(names[p], p), names[p], "parameter",
+                                       NoneCompressor, GradientCompressor)
+        if compressor is not None:
+            chosen[p] = compressor
     return chosen
 
 
