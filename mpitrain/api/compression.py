@@ -57,6 +57,14 @@ def chosen_compressor(compressor, name, what, none, compressor_class):
     return compressor
 
 
+def saved_states(states, rank):
+    """The compressors' state as checkpoints and broadcasts carry it:
+    {"rank": rank, "parameters": {key: state}} of the non-empty ``states``
+    (key -> state), or None where there are none."""
+    parameters = {key: state for key, state in states.items() if state}
+    return {"rank": rank, "parameters": parameters} if parameters else None
+
+
 class CompressorSettings:
     """The framework-neutral half of a GradientCompressor: ``min_elements``,
     the bytes it sent, and no state of its own."""

@@ -3,6 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
+from mpitrain.api.compression import saved_states
 from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.ops import Adasum, Average, ReduceOp, Sum
@@ -58,11 +59,9 @@ class GradientReducer:
     def compression_state(self):
         """The compressors' residuals and PowerSGD's Q as numpy arrays, with this
         rank: {"rank": r, "parameters": {position: {field: array}}}, or None."""
-        parameters = {str(i): compressor.state(key)
-                      for i, (key, compressor) in self.compressors.items()}
-        parameters = {i: state for i, state in parameters.items() if state}
-        return ({"rank": self.process_set.rank(), "parameters": parameters}
-                if parameters else None)
+        return saved_states({str(i): compressor.state(key)
+                             for i, (key, compressor) in self.compressors.items()},
+                            self.process_set.rank())
 
     def load_compression_state(self, saved):
         """Take back ``compression_state()``'s result, saved on any rank: Q on

@@ -1,6 +1,6 @@
 """Which parameters a DistributedOptimizer compresses, and with what."""
 
-from mpitrain.api.compression import chosen_compressor
+from mpitrain.api.compression import chosen_compressor, saved_states
 from mpitrain.torch.compression.base import GradientCompressor
 from mpitrain.torch.compression.casts import NoneCompressor
 
@@ -40,10 +40,8 @@ def _chosen(parameters, names, choose):
 
 def state(chosen, names, rank):
     """What the optimizer's state_dict keeps for its compressors (None if nothing)."""
-    parameters = {names[p]: compressor.state(names[p])
-                  for p, compressor in chosen.items()}
-    parameters = {name: value for name, value in parameters.items() if value}
-    return {"rank": rank, "parameters": parameters} if parameters else None
+    return saved_states({names[p]: compressor.state(names[p])
+                         for p, compressor in chosen.items()}, rank)
 
 
 def load(chosen, names, saved, rank):
