@@ -19,6 +19,7 @@ import warnings
 
 import cloudpickle
 
+from mpitrain.launcher import located_pickle
 from mpitrain.launcher.run import all_on_this_machine, parse_hosts, read_hostfile
 
 FUNCTION = "function.pickle"
@@ -104,7 +105,7 @@ def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=
     where = None if all_on_this_machine(host_list) else os.getcwd()
     with tempfile.TemporaryDirectory(prefix="mpitrain-run-", dir=where) as directory:
         with open(os.path.join(directory, FUNCTION), "wb") as file:
-            cloudpickle.dump((func, tuple(args), dict(kwargs or {})), file)
+            located_pickle.dump((func, tuple(args), dict(kwargs or {})), file)
         code = subprocess.call(
             launcher_command(num_proc, hosts, hostfile, mpi_args,
                              ",".join(network_interfaces or []), verbose)
