@@ -57,3 +57,17 @@ def test_join_repeatedly_with_cached_tensors():
                 assert 1.0 <= result[0] <= n
         last = mt.join()
         assert 0 <= last < n
+
+
+@mpi_test()
+def test_unnamed_object_collectives_pair_up_after_a_refused_unnamed_allgather():
+    # Horovod's test_horovod_join_allgather: the ranks whose unnamed allgather was
+    # refused under join have counted one unnamed call more than rank 0.
+    r, n = mt.rank(), mt.size()
+    if r != 0:
+        with pytest.raises(ValueError, match="not supported while rank"):
+            mt.allgather(np.ones(2))
+    last = mt.join()
+    assert mt.allgather_object(last) == [last] * n
+    assert mt.broadcast_object({"from": r} if r == n - 1 else None, root_rank=n - 1) \
+        == {"from": n - 1}

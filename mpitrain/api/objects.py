@@ -28,10 +28,19 @@ def _pickled(obj, name, kind, process_set):
                        f"the object cannot be pickled: {type(error).__name__}: {error}")
 
 
-def _name(name, kind, process_set):
-    """The name the object's arrays travel under: an unnamed call's keeps its
-    place in the program, which every piece's request carries."""
-    return array_ops.automatic_name(kind, process_set) if name is None else name
+def _name(name, kind):
+    """The name the object's arrays travel under.
+
+    An unnamed call's is the same on every rank whatever ran before: ranks'
+    counts of unnamed calls can differ once one rank's call was refused (an
+    allgather under join). Horovod names it by the object's type, which can
+    differ between ranks too (broadcast_object(None) on the receivers); here
+    it is the kind of call. Calls are synchronous, so no two share the name
+    in flight; the call's place in the program travels with every piece.
+    """
+    if name is not None:
+        return name
+    return naming.AutoName(f"{kind.label}_object.noname", naming.call_site())
 
 
 def _unpickled(data, source, problems):
@@ -66,7 +75,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
     Where a rank cannot unpickle it, every rank raises, naming that rank.
     """
-    name = _name(name, OpType.BROADCAST, process_set)
+    name = _name(name, OpType.BROADCAST)
     size_name, bytes_name = naming.derived(name, ".size"), naming.derived(name, ".bytes")
     sends = is_root(root_rank, process_set)
     data = _pickled(obj, size_name, OpType.BROADCAST, process_set) if sends else None
@@ -87,7 +96,7 @@ def allgather_object(obj, name=None, process_set=global_process_set):
 
     Where a rank cannot unpickle another's object, every rank raises, naming both.
     """
-    name = _name(name, OpType.ALLGATHER, process_set)
+    name = _name(name, OpType.ALLGATHER)
     sizes_name, bytes_name = naming.derived(name, ".sizes"), naming.derived(name, ".bytes")
     data = _pickled(obj, sizes_name, OpType.ALLGATHER, process_set)
     sizes = array_ops.allgather(np.array([data.size], dtype=np.int64), sizes_name,
