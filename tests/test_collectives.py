@@ -4,6 +4,8 @@ import ml_dtypes
 import numpy as np
 
 import mpitrain as mt
+from mpitrain.transport import channel
+from mpitrain.transport.channel import COUNT_LIMIT
 from tests.mpi_harness import mpi_test
 
 
@@ -158,3 +160,28 @@ def test_allgather_and_alltoall_beyond_two_gibibytes_on_a_process_set():
     finally:
         mt.barrier()
         mt.remove_process_set(pair)
+
+
+@mpi_test()
+def test_alltoall_where_only_one_rank_passes_the_count_limit():
+    """Issue 28's reproducer: rank 0 sends more than MPI's count limit (to
+    itself on 2 ranks, to rank 1 on 3), every other pair one byte, so the
+    other ranks alone would fit MPI's Alltoallv. Ranks that chose the route
+    from their own sizes entered different MPI calls and waited there
+    forever. The limit is lowered in this job: 2.2 GB would cost the shared
+    test machine a minute (the tests beyond two gibibytes cover the real one)."""
+    r, n = mt.rank(), mt.size()
+    big, to = (1 << 10) + 1, 0 if n == 2 else 1
+    splits = [big if r == 0 and k == to else 1 for k in range(n)]
+    rows = np.full(sum(splits), r + 1, np.uint8)
+    try:
+        channel.COUNT_LIMIT = big - 1
+        received, received_splits = mt.alltoall(rows, splits=splits, name="some.big")
+    finally:
+        channel.COUNT_LIMIT = COUNT_LIMIT
+    sizes = [big if k == 0 and r == to else 1 for k in range(n)]
+    assert received_splits.tolist() == sizes
+    starts = np.cumsum([0] + sizes)
+    assert received.size == starts[-1]
+    for k in range(n):
+        assert (received[starts[k]:starts[k + 1]] == k + 1).all(), k

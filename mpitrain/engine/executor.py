@@ -353,16 +353,20 @@ class Executor:
         return target
 
     def _alltoall(self, response, entry):
-        send_rows = entry.splits
-        receive_rows = np.empty_like(send_rows)
-        yield from self.channel.alltoall(send_rows, receive_rows)
         trailing = entry.input.shape[1:]
         row = math.prod(trailing) * entry.dtype.numpy.itemsize
+        send_rows = entry.splits
+        # Each rank tells each other the rows it sends it and the bytes it
+        # sends in all: their sum, known alike everywhere, chooses the route.
+        counts = np.stack([send_rows, np.full_like(send_rows, send_rows.sum() * row)], 1)
+        received = np.empty_like(counts)
+        yield from self.channel.alltoall(counts, received)
+        receive_rows = received[:, 0].copy()
         output = arrays.empty((int(receive_rows.sum()),) + trailing, entry.dtype.numpy)
         send = np.ascontiguousarray(entry.input)
         yield from self.channel.alltoallv(
             as_bytes(send), (send_rows * row).tolist(),
-            as_bytes(output), (receive_rows * row).tolist())
+            as_bytes(output), (receive_rows * row).tolist(), int(received[:, 1].sum()))
         return output, receive_rows
 
     def _reducescatter(self, response, entry):

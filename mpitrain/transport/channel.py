@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpitrain.ops import ReduceOp
 
 PIECE = 1 << 30                  # bytes per piece of a large transfer
-COUNT_LIMIT = (1 << 31) - 1      # MPI's counts and offsets are C ints
+COUNT_LIMIT = (1 << 31) - 1      # MPI's counts and offsets are C ints (tests lower it)
 EXCHANGE_TAG = 77                # rank-to-rank pieces of large gathers and exchanges
 WINDOW = 4                       # pieces of a non-blocking allreduce in flight at once
 ROUND = "negotiation round"      # what a channel does while it moves no tensor
@@ -220,17 +220,25 @@ class Channel:
         yield [self.comm.Ibcast([piece, MPI.BYTE], root) for piece in pieces]
 
     def alltoall(self, send, receive):
-        """Exchange one int64 per rank pair."""
+        """Exchange int64s, as many for each rank pair: send[j] goes to rank j,
+        receive[j] comes from it."""
         if self.blocking:
             with self._blocking("MPI_Alltoall"):
                 self.comm.Alltoall(send, receive)
             return
         yield self.comm.Ialltoall(send, receive)
 
-    def alltoallv(self, send, send_counts, receive, receive_counts):
-        """Exchange byte views; counts are bytes per rank."""
+    def alltoallv(self, send, send_counts, receive, receive_counts, total):
+        """Exchange byte views; counts are bytes per rank.
+
+        total: the bytes that every rank sends, summed over the ranks. It, the
+        same number on every rank, chooses between MPI's Alltoallv and the
+        point-to-point path: this rank's own counts would let ranks choose
+        differently and wait in different MPI calls forever. Past MPI's int,
+        a rank's counts or offsets may be too (the sum bounds them all).
+        """
         sent, received = starts_of(send_counts), starts_of(receive_counts)
-        if max(sent[-1], received[-1]) > COUNT_LIMIT:
+        if total > COUNT_LIMIT:
             me = self.rank
             receive[received[me]:received[me + 1]] = send[sent[me]:sent[me + 1]]
             others = [peer for peer in range(self.size) if peer != me]
