@@ -127,9 +127,46 @@ def test_flags_reach_every_rank_and_the_timeline_is_written(tmp_path):
     assert spans[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"], spans
 
 
-def test_the_job_exit_code_comes_back():
+def test_the_job_exit_code_comes_back_with_the_rank_that_gave_it():
     job = launch(["-np", "2", sys.executable, "-c", "import sys; sys.exit(3)"])
     assert job.returncode == 3
+    assert re.fullmatch(r"mpitrainrun: rank [01] exited with code 3; the job ended with "
+                        r"exit code 3", job.stderr.splitlines()[-1]), job.stderr
+    assert "prterun" not in job.stderr and "-" * 20 not in job.stderr, job.stderr
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_every_piece_of_a_redrawn_line_carries_the_rank(nprocs):
+    # A progress bar on stderr, as tqdm draws it, and a CR LF line on stdout.
+    script = ("import sys; sys.stderr.write('\\rstep 1/2\\rstep 2/2\\n'); "
+              "sys.stdout.write('done\\r\\n')")
+    job = subprocess.run([LAUNCHER, "-np", str(nprocs), sys.executable, "-c", script],
+                         cwd=ROOT, env=launcher_environment(), capture_output=True,
+                         timeout=120)
+    assert job.returncode == 0, job.stderr
+    bars = sorted(line for line in job.stderr.split(b"\n") if b"step" in line)
+    assert bars == [b"[1,%d]<stderr>: \r[1,%d]<stderr>: step 1/2\r[1,%d]<stderr>: step 2/2"
+                    % (rank, rank, rank) for rank in range(nprocs)], job.stderr
+    assert sorted(job.stdout.split(b"\n")[:-1]) == [
+        b"[1,%d]<stdout>: done\r" % rank for rank in range(nprocs)], job.stdout
+
+
+def test_a_missing_script_is_refused_before_any_rank_starts():
+    job = launch(["-np", "2", "python", "no_such_script.py"])
+    assert job.returncode == 2
+    assert job.stderr.splitlines()[-1] == (
+        f"mpitrainrun: error: the script no_such_script.py does not exist in {ROOT}")
+    assert "[1," not in job.stderr and "prterun" not in job.stderr, job.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mpitrainrun allows root only as root")
+def test_running_as_root_is_said_once_for_a_job_and_not_for_a_dry_run():
+    notice = "running as root: allowing Open MPI to start"
+    dry = launch(["--dry-run", "-np", "2", "python", "train.py"])
+    assert dry.returncode == 0 and notice not in dry.stderr, dry.stderr
+    job = launch(["-np", "2", sys.executable, "-c", "print('hello')"])
+    assert job.returncode == 0, job.stderr
+    assert job.stderr.count(notice) == 1, job.stderr
 
 
 def test_a_job_on_one_host_listens_on_no_network_address(tmp_path):
@@ -167,29 +204,54 @@ def test_a_signal_to_mpitrainrun_alone_ends_mpirun_and_every_rank(number, tmp_pa
     assert not left, f"still running after {number.name}: {left} (mpirun {mpirun})"
 
 
-def test_every_line_of_the_ranks_carries_its_rank_and_the_report_comes_last():
-    job = launch(["-np", "2", sys.executable,
-                  os.path.join("tests", "scripts", "both_ranks_raise.py")])
-    assert job.returncode == 1
-    out = [line for line in job.stdout.splitlines() if line]
-    assert sorted(out) == ["[1,0]<stdout>: rank 0 starts training",
-                           "[1,1]<stdout>: rank 1 starts training"], job.stdout
-    # Open MPI writes a NUL byte into the stderr of a rank that aborts.
-    job_output, header, again = job.stderr.replace("\0", "").rpartition(
-        "mpitrainrun: the job failed (exit code 1); mpitrain's report, again:\n")
-    assert header, job.stderr
-    reports = re.split(r"^(?=mpitrain: rank \d of 2 )", again, flags=re.M)[1:]
-    assert reports and "".join(reports) == again, again
-    untagged = {line for line in job_output.splitlines() if not TAG.match(line)}
-    for report in reports:
-        rank = re.match(r"mpitrain: rank (\d)", report).group(1)
-        lines = report.splitlines()
-        assert lines[-1] == f"RuntimeError: rank {rank}: the batch of step 0 is corrupt"
-        # What the rank printed came tagged with its rank, and only so.
-        for line in lines:
-            assert f"[1,{rank}]<stderr>: {line}\n" in job_output, line
-            assert line not in untagged, line
-    assert job.stderr.splitlines()[-1].startswith("RuntimeError: rank ")
+def failing_job(nprocs, how, tmp_path, *flags):
+    """mpitrainrun on tests/scripts/rank_fails.py: the last rank fails at
+    step 5 while the others wait in an allreduce; stderr as bytes."""
+    job = subprocess.run([LAUNCHER, "-np", str(nprocs), *flags, sys.executable,
+                          os.path.join("tests", "scripts", "rank_fails.py"), how,
+                          "allreduce", str(tmp_path)],
+                         cwd=ROOT, env=launcher_environment(), capture_output=True,
+                         timeout=120)
+    return job.returncode, job.stderr.decode()
+
+
+OPEN_MPI_BOXES = ("MPI_ABORT", "prterun", "-" * 20, "\0")
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_rank_that_raises_shows_its_traceback_once_and_one_line_on_how_the_job_ended(
+        nprocs, tmp_path):
+    code, err = failing_job(nprocs, "raise", tmp_path)
+    assert code == 1
+    failed = nprocs - 1
+    raised = "RuntimeError: the batch of step 5 is corrupt (raised on purpose)"
+    lines = err.splitlines()
+    assert lines[-1] == (f"mpitrainrun: rank {failed} failed with {raised} (traceback "
+                         "above); the job ended with exit code 1"), err
+    assert not [box for box in OPEN_MPI_BOXES if box in err], err
+    # The traceback, once, every line tagged with the failed rank.
+    assert err.count("Traceback (most recent call last):") == 1, err
+    assert lines.count(f"[1,{failed}]<stderr>: {raised}") == 1, err
+    assert re.search(rf'^\[1,{failed}\]<stderr>:   File ".*rank_fails.py", line', err, re.M)
+    untagged = [line for line in lines if not TAG.match(line)]
+    assert all(line.startswith("mpitrainrun: ") for line in untagged), untagged
+
+
+def test_verbose_shows_open_mpis_own_messages_before_the_line_on_how_the_job_ended(
+        tmp_path):
+    code, err = failing_job(2, "raise", tmp_path, "--verbose")
+    assert code == 1
+    assert "[1,1]<stderr>: MPI_ABORT was invoked on rank 1 in communicator" in err
+    assert "prterun has exited due to process rank 1" in err
+    assert err.splitlines()[-1].startswith("mpitrainrun: rank 1 failed with RuntimeError:")
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    code, err = failing_job(2, "sigkill", tmp_path)
+    assert code == 128 + signal.SIGKILL
+    assert err.splitlines()[-1] == ("mpitrainrun: rank 1 was killed by signal 9 (Killed); "
+                                    "the job ended with exit code 137"), err
+    assert not [box for box in OPEN_MPI_BOXES if box in err], err
 
 
 def test_one_host_keeps_mpi_to_shared_memory_and_tags_output_unless_told_otherwise(
@@ -217,8 +279,6 @@ def test_more_ranks_than_cores_runs_with_a_warning():
     assert sorted(job.stdout.splitlines()) == [f"[1,{rank}]<stdout>: size {nprocs}"
                                                for rank in range(nprocs)]
     assert f"{nprocs} ranks on {nprocs - 1} cores: oversubscribing" in job.stderr
-    if os.geteuid() == 0:
-        assert "running as root: allowing Open MPI to start" in job.stderr
 
 
 def test_log_records_carry_the_rank_and_other_ranks_are_quiet_by_default():

@@ -9,13 +9,15 @@ MPICH. The tuning flags become MPITRAIN_* variables of every rank. It allows
 running as root and more ranks than cores, with a warning, runs a plain
 `python` from its own environment whether or not that is activated, quiets
 TensorFlow's start-up lines, tags every line of the ranks' output with the
-rank, prints a failed rank's report again after MPI's own messages, and exits
+rank (every piece of a progress bar too), ends a failed job with one line
+that says which rank failed and how instead of Open MPI's boxes, and exits
 with the job's exit code.
 """
 
 import argparse
 import difflib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from mpitrain.launcher import quiet
+from mpitrain.launcher import endings, output, quiet
 from mpitrain.runtime import launch_report
 
 MiB = 1024 * 1024
@@ -139,7 +141,8 @@ def build_parser():
         else:
             parser.add_argument(*flags, type=convert, metavar=metavar, help=text)
     parser.add_argument("--verbose", action="store_true",
-                        help="print which mpirun runs and the command line")
+                        help="print which mpirun runs and the command line, and "
+                             "Open MPI's own messages about how a job ended")
     parser.add_argument("-cb", "--check-build", action="store_true",
                         help="print which frameworks, MPI library and GPU support "
                              "mpitrain finds here, and exit")
@@ -288,8 +291,6 @@ def job_environment(variables, hosts, nprocs, flavor, interfaces, environ):
     local = all_on_this_machine(hosts)
     if flavor == "openmpi":
         if os.geteuid() == 0 and "OMPI_ALLOW_RUN_AS_ROOT" not in env:
-            warn("running as root: allowing Open MPI to start "
-                 "(OMPI_ALLOW_RUN_AS_ROOT=1)")
             env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
         if local:
@@ -339,6 +340,8 @@ def shown(line, env, environ):
 
 
 def check_program(parser, command, env):
+    """Refuse a program, or the script a python is given, that is not there,
+    before mpirun starts ranks only to have each of them fail."""
     program = command[0]
     if os.sep in program:
         if not os.path.exists(program):
@@ -346,19 +349,53 @@ def check_program(parser, command, env):
     elif shutil.which(program, path=env.get("PATH")) is None:
         parser.error(f"{program!r} is not a program on PATH; give its path, "
                      "e.g. mpitrainrun -np 2 python train.py")
+    script = python_script(command)
+    if script is not None and not os.path.exists(script):
+        where = "" if os.path.isabs(script) else f" in {os.getcwd()}"
+        parser.error(f"the script {script} does not exist{where}")
+
+
+def python_script(command):
+    """The script of `python [options] script.py ...`, or None (-c, -m, stdin,
+    or a program that is not python). Short options may come in clusters,
+    as in -uW ignore: -W and -X take the rest of the word or the next one."""
+    if not re.fullmatch(r"python[\d.]*", os.path.basename(command[0])):
+        return None
+    words = iter(command[1:])
+    for word in words:
+        if word == "-":
+            return None
+        if word == "--check-hash-based-pycs":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+        elif not word.startswith("--"):
+            for at, letter in enumerate(word[1:], 1):
+                if letter in "cm":
+                    return None
+                if letter in "WX":
+                    if at == len(word) - 1:
+                        next(words, None)
+                    break
+    return None
 
 
 class Stopping(Exception):
     """A signal, forwarded to mpirun, ends the job."""
 
 
-def run(line, env):
-    """Run mpirun and return its exit code (128 + N if signal N ended it or
-    mpitrainrun)."""
-    quiet_tensorflow = quiet.wanted(env)
-    process = subprocess.Popen(line, env=env,
-                               stderr=subprocess.PIPE if quiet_tensorflow else None)
-    copying = quiet.copy_without_notices(process.stderr) if quiet_tensorflow else None
+def run(line, env, tagged, verbose):
+    """Run mpirun with its output through output.py; returns its exit code
+    (128 + N if signal N ended it or mpitrainrun) and what Open MPI's boxes
+    said about how the job ended (None if a signal to mpitrainrun ended it)."""
+    out = output.Passage(tagged, drop_notices=False, show_boxes=verbose)
+    err = output.Passage(tagged, drop_notices=quiet.wanted(env), show_boxes=verbose)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    process = subprocess.Popen(line, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    copying = [output.copy(process.stdout, sys.stdout.buffer, out),
+               output.copy(process.stderr, sys.stderr.buffer, err)]
     received = []
 
     def forward(number, _):
@@ -381,27 +418,25 @@ def run(line, env):
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             process.terminate()
             code = process.wait()
-    if copying is not None:
+    for thread in copying:
         # What the ranks wrote last comes before anything printed after the
         # job; a daemon left holding the pipe must not keep us waiting.
-        copying.join(timeout=5)
+        thread.join(timeout=5)
     if received:
-        return 128 + received[0]
-    return 128 - code if code < 0 else code
+        return 128 + received[0], None
+    return 128 - code if code < 0 else code, out.sentences + err.sentences
 
 
-def run_and_report(line, env, local):
-    """run(), then print again what failed ranks reported, after MPI's messages."""
+def run_and_report(line, env, local, tagged, verbose):
+    """run(), then one line saying how a failed job ended: which ranks
+    failed with which exception, from their reports, or what Open MPI said."""
     with tempfile.TemporaryDirectory(prefix="mpitrainrun-") as directory:
         if local:           # ranks on other hosts cannot write here
             env = {**env, launch_report.VARIABLE: directory}
-        code = run(line, env)
+        code, sentences = run(line, env, tagged, verbose)
         reports = launch_report.reports(directory)
-    if code and reports:
-        # A new line: Open MPI may leave a rank's last line unfinished.
-        sys.stderr.write("\n")
-        warn(f"the job failed (exit code {code}); mpitrain's report, again:")
-        sys.stderr.write("".join(reports))
+    if code and sentences is not None:
+        warn(endings.summary(code, reports, sentences))
     return code
 
 
@@ -456,13 +491,16 @@ def main(argv=None, environ=None):
     if args.dry_run:
         print(shown(line, env, environ))
         return 0
+    if env.get("OMPI_ALLOW_RUN_AS_ROOT") != environ.get("OMPI_ALLOW_RUN_AS_ROOT"):
+        warn("running as root: allowing Open MPI to start (OMPI_ALLOW_RUN_AS_ROOT=1)")
     if local and args.nprocs > cores():
         warn(f"{args.nprocs} ranks on {cores()} cores: oversubscribing, so "
              "ranks share cores and each runs slower")
     if args.verbose:
         warn(f"{flavor} launcher {mpirun}")
         warn(shown(line, env, environ))
-    return run_and_report(line, env, local)
+    tagged = not args.no_tag_output and flavor in TAG_OUTPUT
+    return run_and_report(line, env, local, tagged, args.verbose)
 
 
 if __name__ == "__main__":

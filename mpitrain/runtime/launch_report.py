@@ -1,10 +1,11 @@
-"""The report of a rank that aborts the job, which mpitrainrun prints again last.
+"""The report of a rank that aborts the job, which mpitrainrun sums up last.
 
-Open MPI prints its own messages about the abort after the rank's report, and
-other ranks' output interleaves with it. So mpitrainrun names a directory in
-MPITRAIN_REPORT_DIR; a rank that aborts the job copies what it writes to
-stderr from its report on into <directory>/<rank>, and mpitrainrun prints
-those files after mpirun has exited.
+A rank's traceback scrolls away under other ranks' output, and a rank that
+aborts cannot tell mpitrainrun how it failed except through its output. So
+mpitrainrun names a directory in MPITRAIN_REPORT_DIR; a rank that aborts the
+job copies what it writes to stderr from its report on into
+<directory>/<rank>, and mpitrainrun, after mpirun has exited, ends with one
+line naming each failed rank and the exception it raised.
 """
 
 import os
@@ -53,10 +54,10 @@ class _Tee:
 
 
 def reports(directory):
-    """The reports the ranks wrote into directory, in rank order (a rank
+    """{rank: report} of the ranks that wrote one into directory (a rank
     killed before it flushed its report left an empty file)."""
-    texts = []
-    for rank in sorted(int(name) for name in os.listdir(directory)):
-        with open(os.path.join(directory, str(rank))) as stream:
-            texts.append(stream.read())
-    return [text for text in texts if text]
+    texts = {}
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name)) as stream:
+            texts[int(name)] = stream.read()
+    return {rank: text for rank, text in texts.items() if text}

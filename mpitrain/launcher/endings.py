@@ -1,0 +1,94 @@
+"""Open MPI's boxed messages about how a job ended, read as one sentence each.
+
+When a rank fails, Open MPI frames what happened in boxes of dashes: the
+rank's MPI library prints "MPI_ABORT was invoked on rank 1 ..." (9 lines)
+and prterun "prterun has exited due to process rank 1 with PID 0 ...", "...
+exited on signal 9 (Killed)" or "... exited with non-zero status" (4-6
+lines). Next to the rank's own traceback they are noise, so mpitrainrun
+holds them back (output.py) and says in one line at the end what they said
+(run.py). A box not listed here (too few slots, a program missing on a
+remote host, ...) tells the user what to do, and goes through as it is.
+"""
+
+import re
+
+# The frame of Open MPI's help messages (its show_help).
+RULE = b"-" * 74
+
+# How a box that says how the job ended begins (its first line after the
+# rule; Open MPI 4's launcher calls itself mpirun, 5's prterun).
+OPENING = re.compile(rb"^(MPI_ABORT was invoked on rank \d|(prterun|mpirun) (has exited "
+                     rb"due to process rank|noticed that process rank|detected that one "
+                     rb"or more processes exited)|Primary job +terminated normally)")
+
+# (what a box says, the sentence mpitrainrun makes of it); a box of a kind
+# none of these reads (Open MPI 4's "Primary job" preface) says nothing more.
+SENTENCES = (
+    (re.compile(r"process rank (?P<rank>\d+) with PID \d+ on\s+node \S+ exited on\s+"
+                r"signal (?P<signal>\d+) \((?P<name>[^)]+)\)"),
+     "rank {rank} was killed by signal {signal} ({name})"),
+    (re.compile(r"exited with non-zero status.*?Process name:\s+\[\S*,(?P<rank>\d+)\]\s+"
+                r"Exit code:\s+(?P<code>\d+)", re.S),
+     "rank {rank} exited with code {code}"),
+    (re.compile(r"MPI_ABORT was invoked on rank (?P<rank>\d+) "), "rank {rank} called MPI_Abort"),
+    (re.compile(r"due to process rank (?P<rank>\d+) with PID \d+ on\s+node \S+ calling"
+                r"\s+\"abort\""), "rank {rank} called MPI_Abort"),
+)
+
+
+def opens_a_box(first_line):
+    """Whether the first line of a box (its text after the rule) starts one
+    of the boxes this module reads."""
+    return bool(OPENING.match(first_line))
+
+
+def sentence(box):
+    """What a box (its text, without rank tags) says happened, or None."""
+    for pattern, text in SENTENCES:
+        found = pattern.search(box)
+        if found:
+            return text.format(**found.groupdict())
+    return None
+
+
+def raised(report):
+    """The exception line ("RuntimeError: ...") of the last traceback in a
+    rank's report (runtime/launch_report.py), or its last line."""
+    lines = report.rstrip().splitlines() or [""]
+    starts = [number for number, line in enumerate(lines)
+              if line.startswith("Traceback (most recent call last):")]
+    if starts:
+        for line in lines[starts[-1] + 1:]:
+            if line and not line[0].isspace():
+                return line
+    return lines[-1]
+
+
+def ranks_text(ranks):
+    """[1] -> 'rank 1', [0, 2, 3] -> 'ranks 0, 2 and 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def summary(code, reports, sentences, most=3):
+    """The one line that says how a failed job ended: what the failed ranks
+    raised (reports: {rank: report}), else what Open MPI's boxes said."""
+    if reports:
+        failed = {}
+        for rank, report in sorted(reports.items()):
+            exception = raised(report)
+            if len(exception) > 300:
+                exception = exception[:297] + "..."
+            failed.setdefault(exception, []).append(rank)
+        causes = [f"{ranks_text(ranks)} failed with {exception}"
+                  for exception, ranks in failed.items()]
+        if len(causes) > most:
+            left = sum(len(ranks) for ranks in list(failed.values())[most:])
+            causes = causes[:most] + [f"{left} more ranks failed too"]
+        cause = "; ".join(causes) + (" (traceback above)" if len(reports) == 1
+                                     else " (tracebacks above)")
+    else:
+        cause = "; ".join(dict.fromkeys(sentences))
+    return f"{cause}; the job ended with exit code {code}" if cause else \
+        f"the job ended with exit code {code}"

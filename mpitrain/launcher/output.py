@@ -1,0 +1,116 @@
+"""The ranks' output on its way from mpirun to mpitrainrun's stdout and stderr.
+
+Both of mpirun's streams come through mpitrainrun, taken apart into lines
+(Open MPI forwards only whole lines anyway), and change on the way:
+
+- A line that a progress bar (tqdm, Keras) redraws with carriage returns
+  gets the rank tag on every piece, not only the first: a terminal shows the
+  tag on the bar as it redraws, and `tr '\\r' '\\n' < log | grep '^\\[1,0\\]'`
+  finds each update of rank 0's bar.
+- TensorFlow's start-up notices go when the job asks TensorFlow for no INFO
+  lines (quiet.py).
+- Open MPI's boxes about how the job ended are held back, unless the user
+  asked for --verbose, and read into sentences (endings.py) that mpitrainrun
+  prints as one line at the end; so goes the tagged NUL byte Open MPI writes
+  into the stderr of a rank that aborts.
+
+A box is recognized by its rule and first line, so a rank's own line of 74
+dashes waits for that rank's next line on the same stream before it is shown.
+"""
+
+import re
+import threading
+
+from mpitrain.launcher import endings, quiet
+
+# A rank's tag: Open MPI's --tag-output "[1,0]<stdout>: ", MPICH's -prepend-rank "[0] ".
+TAG = re.compile(rb"^\[\d+(?:,\d+)?\](?:<std(?:out|err)>:)? ")
+
+
+class Passage:
+    """What one of mpirun's streams becomes, a line at a time: line() returns
+    the lines to write for a line read, end() those still held at its end."""
+
+    def __init__(self, tagged, drop_notices, show_boxes):
+        self.tagged = tagged
+        self.drop_notices = drop_notices
+        self.show_boxes = show_boxes
+        self.sentences = []         # what the boxes held back said
+        self.boxes = {}             # rank tag -> the lines of a box being read
+
+    def split(self, line):
+        """(its rank tag or b"", the rest)."""
+        found = TAG.match(line) if self.tagged else None
+        return (found.group(), line[found.end():]) if found else (b"", line)
+
+    def line(self, line):
+        tag, text = self.split(line)
+        if text.startswith(b"\0"):
+            rest = text.lstrip(b"\0")
+            return self.line(rest) if rest else []
+        if self.drop_notices and quiet.NOTICE.match(text):
+            return []
+        box = self.boxes.pop(tag, None)
+        if box is None:
+            if text.rstrip(b"\r\n") == endings.RULE:
+                self.boxes[tag] = [line]
+                return []
+            return [self.every_piece_tagged(line)]
+        box.append(line)
+        if len(box) == 2 and not endings.opens_a_box(text):
+            return [self.every_piece_tagged(held) for held in box]
+        if len(box) == 2 or text.rstrip(b"\r\n") != endings.RULE:
+            self.boxes[tag] = box
+            return []
+        said = endings.sentence(b"".join(self.split(held)[1] for held in box)
+                                .decode(errors="replace"))
+        if said is not None:
+            self.sentences.append(said)
+        return box if self.show_boxes else []
+
+    def end(self):
+        """The lines of boxes still open when the stream ended."""
+        held = [self.every_piece_tagged(line) for box in self.boxes.values()
+                for line in box]
+        self.boxes.clear()
+        return held
+
+    def every_piece_tagged(self, line):
+        """The line with its tag also after each carriage return that starts
+        a piece (not one that only ends the line, as in CR LF)."""
+        tag, text = self.split(line)
+        if not tag or b"\r" not in text:
+            return line
+        first, *others = text.split(b"\r")
+        return tag + first + b"".join(
+            b"\r" + (tag + piece if piece.strip(b"\n") else piece) for piece in others)
+
+
+def copy(source, target, passage):
+    """Copy the binary stream source to the binary stream target through
+    passage, in a thread of its own; returns the thread, which ends with
+    source. What one read brings is written and flushed at once. Once target
+    is closed (a reader such as `head` went away) the rest is read and
+    dropped, so that the ranks never block on a full pipe."""
+    def run():
+        writable, unfinished = True, b""
+        for chunk in iter(lambda: source.read1(1 << 16), b""):
+            *lines, unfinished = (unfinished + chunk).split(b"\n")
+            shown = [piece for line in lines for piece in passage.line(line + b"\n")]
+            writable = writable and write(target, b"".join(shown))
+        shown = passage.line(unfinished) if unfinished else []
+        write(target, b"".join(shown + passage.end()))
+
+    thread = threading.Thread(target=run, name="mpitrainrun-output", daemon=True)
+    thread.start()
+    return thread
+
+
+def write(target, data):
+    """Write and flush; False once target cannot take more."""
+    try:
+        target.write(data)
+        target.flush()
+        return True
+    except (OSError, ValueError):
+        return False
