@@ -176,6 +176,19 @@ def test_a_rank_frozen_inside_a_large_transfer_ends_the_job_after_the_shutdown_t
     assert 3 <= elapsed < DEADLINE
 
 
+@pytest.mark.parametrize("nprocs", [2, 3], ids=["np2", "np3"])
+def test_ranks_inside_different_mpi_calls_end_the_job_after_the_shutdown_time(nprocs):
+    """Each waits in its call and answers the others' pings: they must still
+    see that the other's call is not theirs and will never end."""
+    job, elapsed = run_failing_job(nprocs, "split-route", "allreduce", FAST_STALL)
+    assert job.returncode != 0
+    assert re.search(r"rank \d waited \d+ s inside MPI_(Alltoallv|Waitany) of the alltoall "
+                     r"of 'a2a', which moved no data meanwhile: rank \d answered from "
+                     r"inside another MPI call, MPI_(Waitany|Alltoallv) of the alltoall of "
+                     r"'a2a', where it has waited \d+ s", job.stderr), job.stderr[-3000:]
+    assert 3 <= elapsed < DEADLINE
+
+
 def test_a_rank_whose_engine_fails_tells_the_others_at_once():
     """The others wait inside MPI for a rank that will never come. With the
     default stall shutdown (600 s), and no abort of the job from the failed

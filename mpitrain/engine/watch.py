@@ -14,10 +14,12 @@ sleeps between looks, sees both:
 
 Before blaming a peer, a waiting rank asks it: every watch answers a ping
 with how long its engine has waited on MPI without progress (nothing while
-it works). A peer that does not answer is frozen or gone; one that works or
-moves data is busy with a long, healthy transfer, and the wait goes on. The
-engine thread, when stuck inside MPI, is abandoned: it sees the stop when
-(if ever) its call returns.
+it works) and in which blocking call. A peer that does not answer is frozen
+or gone; one that works, moves data, or waits in the same call is busy with
+a long, healthy transfer, and the wait goes on. One that has waited as long
+inside another blocking call never will: the two calls wait for each other
+(the ranks chose different calls). The engine thread, when stuck inside
+MPI, is abandoned: it sees the stop when (if ever) its call returns.
 """
 
 import contextlib
@@ -38,6 +40,8 @@ WATCH, ENGINE = 0, 1           # who asks: the watch thread or the engine thread
 NOTICE_BYTES = 4096            # a notice fits MPI's eager protocol: sending never waits
 LOOK_EVERY = 0.5               # seconds between the watch's looks
 ANSWER_WITHIN = 2.0            # seconds a live peer's watch takes at most to answer
+CALL_BYTES = 256               # of the blocking call's name in an answer
+ANSWER_WORDS = 3 + CALL_BYTES // 8     # (question, waited, transferring) and the call
 
 
 class EngineAbandoned(Exception):
@@ -55,7 +59,8 @@ class Watch:
         self.abandoned = False         # ... while its thread was inside MPI
         self._lock = threading.Lock()
         self._inside = None            # the blocking call the engine thread is in
-        self._since = 0.0
+        self._since = 0.0              # ... since when
+        self._patient_from = 0.0       # the watch last found that wait healthy
         self._sent = []                # sends not known to be done, kept alive
         self._sent_lock = threading.Lock()
         self._question = 0             # numbers questions, so a late answer is known
@@ -105,18 +110,29 @@ class Watch:
         if self._comm is None:
             return "another rank's mpitrain engine stopped answering (is its process " \
                    "frozen, or was it killed?)"
+        with self._lock:
+            mine = self._inside
         answers = self._ask(ranks, asker)
-        ages = {rank: age for rank, (age, _) in answers.items()}
+        ages = {rank: age for rank, (age, _, _) in answers.items()}
         silent = [rank for rank in ranks if rank not in ages]
-        moving = [rank for rank, (age, transferring) in answers.items()
-                  if age < self.limit and (transferring or not transfers_only)]
-        if moving and not silent:
+        elsewhere = {rank: (age, call) for rank, (age, _, call) in answers.items()
+                     if mine and call and call != mine and age >= self.limit}
+        moving = [rank for rank, (age, transferring, call) in answers.items()
+                  if rank not in elsewhere and (
+                      (mine and call == mine)
+                      or (age < self.limit and (transferring or not transfers_only)))]
+        if moving and not silent and not elsewhere:
             return ""
         parts = []
         if silent:
             parts.append(f"{_ranks(silent)} did not answer within {ANSWER_WITHIN:g} s "
                          "(is the process frozen, or was it killed?)")
-        still = sorted(set(ages) - set(moving))
+        for rank, (age, call) in elsewhere.items():
+            parts.append(f"rank {rank} answered from inside another MPI call, {call}, "
+                         f"where it has waited {age:.0f} s: the ranks made different "
+                         "MPI calls, which wait for each other forever (a choice "
+                         "that differed between ranks)")
+        still = sorted(set(ages) - set(moving) - set(elsewhere))
         if still:
             parts.append(f"{_ranks(still)} answered, but {_its(still)} mpitrain "
                          f"engine has waited {max(ages[r] for r in still):.0f} s too")
@@ -162,14 +178,15 @@ class Watch:
                 return
             with self._lock:
                 what, since = self._inside, self._since
-            if what is None or not self.limit or time.monotonic() - since < self.limit:
+            if what is None or not self.limit or \
+                    time.monotonic() - max(since, self._patient_from) < self.limit:
                 continue
             others = [rank for rank in range(self.engine.topology.size) if rank != self.rank]
             blame = self.blame(others, WATCH)
             if not blame:                 # a long healthy transfer: wait on
-                with self._lock:
-                    if self._inside is what:
-                        self._since = time.monotonic()
+                # Only this watch's patience starts again: peers asking this
+                # rank still learn how long it has waited in this call.
+                self._patient_from = time.monotonic()
                 continue
             self._fire(f"rank {self.rank} waited {time.monotonic() - since:.0f} s inside "
                        f"{what}, which moved no data meanwhile: {blame}")
@@ -200,13 +217,15 @@ class Watch:
         status = MPI.Status()
         while self._receiving[PING].Test(status):
             asker, question = self._ping
-            answer = np.array([question, *self._waited()])
+            waited, transferring, call = self._waited()
+            answer = _answer(question, waited, transferring, call)
             self._keep(self._comm.Isend(answer, status.Get_source(), PONG + int(asker)))
             self._listen(PING)
 
     def _waited(self):
         """(how long this engine has waited on MPI without progress (0: it
-        works), whether it is inside a collective's transfer (1.0) or not)."""
+        works), whether it is inside a collective's transfer (1.0) or not,
+        the blocking call it is inside or "")."""
         now = time.monotonic()
         with self._lock:
             inside, since = self._inside, self._since
@@ -214,21 +233,21 @@ class Watch:
                 if c.coroutine is not None]
         transferring = float(any(c.channel.doing != ROUND for c in busy))
         if inside is not None:
-            return now - since, float(not inside.endswith(ROUND))
+            return now - since, float(not inside.endswith(ROUND)), inside
         if self.working:
-            return 0.0, transferring
-        return (now - max(c.moved for c in busy) if busy else 0.0), transferring
+            return 0.0, transferring, ""
+        return (now - max(c.moved for c in busy) if busy else 0.0), transferring, ""
 
     def _ask(self, ranks, asker):
-        """{rank: (seconds since its engine moved, inside a transfer)} of the
-        ranks that answer in time."""
+        """{rank: (seconds since its engine moved, inside a transfer, the
+        blocking call it is inside or "")} of the ranks that answer in time."""
         with self._sent_lock:
             self._question += 1
             question = self._question
         for rank in ranks:
             self._keep(self._comm.Isend(np.array([asker, question], dtype=np.float64),
                                         rank, PING))
-        answers = {rank: np.zeros(3) for rank in ranks}
+        answers = {rank: np.zeros(ANSWER_WORDS) for rank in ranks}
         pending = {rank: self._comm.Irecv(answers[rank], rank, PONG + asker)
                    for rank in ranks}
         deadline = time.monotonic() + ANSWER_WITHIN
@@ -238,7 +257,8 @@ class Watch:
                 self._answer_pings()
             for rank in [r for r, request in pending.items() if request.Test()]:
                 if answers[rank][0] == question:
-                    replies[rank] = (float(answers[rank][1]), bool(answers[rank][2]))
+                    replies[rank] = (float(answers[rank][1]), bool(answers[rank][2]),
+                                     _call_in(answers[rank]))
                     del pending[rank]
                 else:                     # the late answer to an earlier question
                     pending[rank] = self._comm.Irecv(answers[rank], rank, PONG + asker)
@@ -262,6 +282,19 @@ class Watch:
         """Hold a send until it is done (mpi4py must not free it before)."""
         with self._sent_lock:
             self._sent = [r for r in self._sent if not r.Test()] + [request]
+
+
+def _answer(question, waited, transferring, call):
+    """A pong: three numbers, then the name of the call in CALL_BYTES bytes."""
+    answer = np.zeros(ANSWER_WORDS)
+    answer[:3] = question, waited, transferring
+    name = call.encode()[:CALL_BYTES]
+    answer[3:].view(np.uint8)[:len(name)] = np.frombuffer(name, np.uint8)
+    return answer
+
+
+def _call_in(answer):
+    return bytes(answer[3:].view(np.uint8)).rstrip(b"\0").decode(errors="replace")
 
 
 def _ranks(ranks):

@@ -7,7 +7,9 @@ while the main thread waits for its batch), sigkill, freeze (SIGSTOP),
 stall (stops submitting: sleeps for an hour), freeze-in-transfer (SIGSTOP
 while its engine is inside the MPI call of a large allreduce), engine-fails
 (its engine cannot allocate that allreduce's result and fails, while the
-others wait for it inside MPI).
+others wait for it inside MPI), split-route (its alltoall takes another
+route than the others' and enters another MPI call than they do, 1.5 s
+after them).
 WHILE: what the other ranks do meanwhile: allreduce (wait for the failed
 rank's tensor), compute (an hour of work that calls no MPI), or elastic
 (wait for its tensor, every rank training inside mpitrain.api.elastic.run).
@@ -26,6 +28,7 @@ import numpy as np
 
 import mpitrain as mt
 from mpitrain.api import elastic
+from mpitrain.transport import channel
 
 BIG = 64 << 20         # floats in the large allreduce of step 5 (256 MiB)
 
@@ -66,6 +69,21 @@ def freeze_inside_the_transfer():
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def take_another_route_late():
+    """This rank's alltoall goes rank to rank (its count limit is lowered),
+    while the others' goes through MPI's Alltoallv; it enters its MPI call
+    1.5 s after them, as after copying the 2.2 GB it sends itself in the
+    case of issue 28."""
+    channel.COUNT_LIMIT = 0
+    exchange = channel.Channel.exchange
+
+    def late_exchange(self, outgoing, incoming):
+        time.sleep(1.5)
+        yield from exchange(self, outgoing, incoming)
+
+    channel.Channel.exchange = late_exchange
+
+
 def leave_no_room_for_the_result():
     import resource
     with open("/proc/self/status") as status:
@@ -85,6 +103,12 @@ def train(state):
                     stream.write(repr(time.time()))
                 leave_no_room_for_the_result()
             mt.allreduce(big, name="big")
+        elif state.step == 5 and how == "split-route":
+            if rank == size - 1:
+                with open(os.path.join(run_dir, "failed_at"), "w") as stream:
+                    stream.write(repr(time.time()))
+                take_another_route_late()
+            mt.alltoall(np.full(size, rank, np.float32), name="a2a")
         elif state.step == 5 and rank == size - 1:
             fail()
         if state.step == 5 and rank != size - 1 and meanwhile == "compute":
