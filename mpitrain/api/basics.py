@@ -59,8 +59,7 @@ def init(comm=None, process_sets=None):
             config, problem = _config.from_environ(), ""
         except ValueError as error:     # raised below on every rank, not only here
             config, problem = None, str(error)
-        watch = startup.StartWatch(_config.Config().stall_shutdown_time if config is None
-                                   else config.stall_shutdown_time)
+        watch = startup.StartWatch((config or _config.Config()).start_timeout)
         try:
             engine, topo, sets = startup.start(comm, process_sets, config, problem)
         finally:

@@ -11,7 +11,7 @@ import threading
 
 from mpitrain.api.process_sets import ProcessSet, global_process_set
 from mpitrain.runtime import config as _config
-from mpitrain.runtime import logs
+from mpitrain.runtime import logs, start_marks
 
 
 def start(comm, process_sets, config, problem):
@@ -51,11 +51,16 @@ class StartWatch:
 
     A rank that exits (with status 0) before init() leaves the others inside
     MPI's start-up forever, where no exception can reach them; a rank that
-    ends with an error makes the launcher end the whole job.
+    ends with an error makes the launcher end the whole job. The wait has a
+    limit of its own (MPITRAIN_START_TIMEOUT), like torch's init timeout and
+    Horovod's start timeout: a job that cannot start should not hold its
+    machines for the stall shutdown's ten minutes.
     """
 
     def __init__(self, seconds):
         self.done = threading.Event()
+        self._launch = start_marks.launch_facts()
+        start_marks.mark_started(self._launch[0])
         if seconds:
             threading.Thread(target=self._watch, args=(seconds,), daemon=True,
                              name="mpitrain-init-watch").start()
@@ -63,12 +68,12 @@ class StartWatch:
     def _watch(self, seconds):
         if self.done.wait(seconds):
             return
-        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "?"))
+        rank = "?" if self._launch[0] is None else self._launch[0]
+        started = start_marks.who_started(*self._launch, start_marks.started_here())
         sys.stderr.write(
             f"mpitrain: init() on rank {rank} waited {seconds:g} s for the other ranks "
-            "to start: one of them probably exited, or failed, before it called "
-            "init(). Ending this rank so that the job ends "
-            "(MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS sets the wait).\n")
+            f"to start: {started}. Ending this rank so that the job ends "
+            "(MPITRAIN_START_TIMEOUT sets the wait).\n")
         sys.stderr.flush()
         os._exit(1)
 

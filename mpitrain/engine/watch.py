@@ -127,11 +127,16 @@ class Watch:
         if silent:
             parts.append(f"{_ranks(silent)} did not answer within {ANSWER_WITHIN:g} s "
                          "(is the process frozen, or was it killed?)")
-        for rank, (age, call) in elsewhere.items():
-            parts.append(f"rank {rank} answered from inside another MPI call, {call}, "
-                         f"where it has waited {age:.0f} s: the ranks made different "
-                         "MPI calls, which wait for each other forever (a choice "
-                         "that differed between ranks)")
+        calls = {}
+        for rank, (_, call) in sorted(elsewhere.items()):
+            calls.setdefault(call, []).append(rank)
+        for call, inside in calls.items():
+            parts.append(f"{_ranks(inside)} answered from inside another MPI call, "
+                         f"{call}, where {'it has' if len(inside) == 1 else 'they have'} "
+                         f"waited {max(elsewhere[r][0] for r in inside):.0f} s")
+        if calls:
+            parts[-1] += (": the ranks made different MPI calls, which wait for each "
+                          "other forever (a choice that differed between ranks)")
         still = sorted(set(ages) - set(moving) - set(elsewhere))
         if still:
             parts.append(f"{_ranks(still)} answered, but {_its(still)} mpitrain "

@@ -18,6 +18,7 @@ class Config:
     stall_check_time: float = 60.0         # seconds before a stall warning
     # Horovod's default (0, never) leaves hung jobs holding machines forever.
     stall_shutdown_time: float = 600.0     # seconds before a stall ends the job; 0 never
+    start_timeout: float = 60.0            # seconds init() waits for every rank; 0 forever
     timeline: str = ""                     # Chrome-trace file written by rank 0
     timeline_mark_cycles: bool = False
     autotune: bool = False                 # tune fusion, chunk and cycle on the live job
@@ -93,6 +94,8 @@ _VARIABLES = {
                          "a number of seconds > 0"),
     "stall_shutdown_time": ("STALL_SHUTDOWN_TIME_SECONDS", _nonnegative_float,
                             "a number of seconds >= 0 (0 never shuts down)"),
+    "start_timeout": ("START_TIMEOUT", _nonnegative_float,
+                      "a number of seconds >= 0 (0 waits forever)"),
     "timeline": ("TIMELINE", str, "a file path"),
     "timeline_mark_cycles": ("TIMELINE_MARK_CYCLES", _flag, "0 or 1"),
     "autotune": ("AUTOTUNE", _flag, "0 or 1"),
