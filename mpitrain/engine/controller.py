@@ -76,8 +76,8 @@ class SetController:
         self.buffers = fusion.FusionBuffers()
         self.executor = Executor(
             self.channel, self.buffers, self._finish, self._fail, engine.timeline,
-            DeviceTransport(engine.device_plan, engine.cuda_aware,
-                            engine.topology.node, set_id), self.rank_names)
+            DeviceTransport(engine.device_plan, engine.topology.node, set_id,
+                            config.test_one_rank_pipeline), self.rank_names)
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.claims = MemoryClaims()  # the arrays of in_flight, under engine.lock
         self.incoming = []            # entries not yet seen by the engine

@@ -3,11 +3,15 @@
 Every rank runs the same responses in the same order. ``entries`` maps a
 name to this rank's submission; a joined rank has none for an allreduce and
 contributes zeros. Allreduces run where their arrays live (host or CUDA
-device, through mpitrain.backends.arrays); the other collectives move device arrays
-through host memory and share the host code. A round's device groups are
-prepared, and the ranks agree that they can run, before any data moves.
+device, through mpitrain.backends.arrays), by the route that the route table
+(mpitrain.transport.routes) picks for the group from what every rank knows;
+this rank's own arrays decide only how they enter and leave it. The other
+collectives move device arrays through host memory and share the host code.
+A round's device groups are prepared, and the ranks agree that they can run,
+before any data moves.
 """
 
+import logging
 import math
 import types
 
@@ -18,9 +22,12 @@ from mpitrain.engine.recycled import RecycledBuffers
 from mpitrain.engine.streaming import Stream, flat, streams
 from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp
-from mpitrain.transport import adasum
+from mpitrain.transport import adasum, routes
 from mpitrain.transport.channel import as_bytes, even_split
-from mpitrain.transport.device import STAGED
+
+log = logging.getLogger("mpitrain")
+
+_CHOICES_KEPT = 4096         # routes remembered per set, by what decides them
 
 
 class Executor:
@@ -33,6 +40,8 @@ class Executor:
         self.timeline = timeline      # holder with .current: Timeline or None
         self.devices = devices        # how device buffers travel: transport.device.DeviceTransport
         self.rank_names = rank_names  # errors.RankNames: errors name ranks of the job
+        self._choices = {}            # what decides a group's route -> routes.Choice
+        self._logged = set()          # kinds of group whose route was logged
 
     def run(self, group, entries):
         response = group.responses[0]
@@ -128,14 +137,48 @@ class Executor:
                            response.postscale)
         backend.kernels(wire)
         self.buffers.get(wire, group.total, backend)
-        if (self.channel.size > 1
-                and self.devices.route(wire, response.op) == STAGED):
+        if self._route(group, wire).route is routes.STAGED:
             backend.pinned(wire, group.total)
         for response, member in zip(group.responses, members):
             if member is not None and member.output is None:
                 member.output = backend.empty(response.shape, member.dtype.numpy)
 
     # -- allreduce, on the host or on a device -----------------------------------
+
+    def _route(self, group, wire):
+        """The group's routes.Choice, from what every rank knows of the group and
+        the set; remembered, since steady-state steps repeat their groups."""
+        first = group.responses[0]
+        key = (first.device, first.dtype, wire, first.op, group.total,
+               len(group.responses) == 1, self.devices.nccl is not None)
+        choice = self._choices.get(key)
+        if choice is None:
+            if len(self._choices) == _CHOICES_KEPT:
+                self._choices.clear()
+            # A lone tensor reduced as it is skips fusion; the rest may stream
+            # through the host reducer (a joined rank still fuses its zeros).
+            alone = len(group.responses) == 1 and dtypes.BY_CODE[first.dtype].numpy == wire
+            channel, devices = self.channel, self.devices
+            choice = self._choices[key] = routes.choose(
+                routes.Group(first.device >= 0, wire, first.op,
+                             group.total * wire.itemsize,
+                             streamed=streams(first, wire) and not alone),
+                routes.Offer(channel.size, channel.blocking, channel.host_route,
+                             devices.nccl_types(), devices.cuda_aware,
+                             devices.one_rank_pipeline))
+            self._log_route(group, wire, choice)
+        return choice
+
+    def _log_route(self, group, wire, choice):
+        """Say, at debug level, the first time a kind of group takes a route."""
+        first = group.responses[0]
+        kind = (choice, first.device >= 0, wire, first.op)
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.debug("mpitrain: process set %d reduces %s (%s %s %s) by %s",
+                      self.devices.set_id, listed(group.names),
+                      "GPU" if first.device >= 0 else "host", wire.name,
+                      first.op.name.lower(), choice)
 
     def _backend(self, response, members):
         """Where the group's arrays live; a joined rank has none and uses its GPU."""
@@ -164,7 +207,9 @@ class Executor:
         wire = dtypes.wire(dtype, first.op, first.prescale, first.postscale)
         factor = self._scale_after(first)
         members = [entries.get(name) for name in group.names]
-        if self.channel.size == 1 and _in_place_and_unscaled(first, factor, members):
+        choice = self._route(group, wire)
+        if choice.route is routes.ONE_RANK and _in_place_and_unscaled(first, factor,
+                                                                      members):
             for member in members:           # one rank, nothing to add or scale
                 if member is not None:
                     self.finish(member, member.output)
@@ -174,24 +219,25 @@ class Executor:
         integer = self._integer_scaling(first, wire)
         if (len(members) == 1 and entry is not None and entry.dtype is dtype
                 and dtype.numpy == wire):
-            yield from self._allreduce_alone(first, entry, factor, integer, backend)
+            yield from self._allreduce_alone(choice, first, entry, factor, integer,
+                                             backend)
             return
         whole = self.buffers.get(wire, group.total, backend)
         buffer = whole[:group.total]
         names = group.names
         sources = [None if member is None else member.input for member in members]
         prescale = first.prescale if integer is None else 1.0
-        if streams(first, wire) and self.channel.takes_host_route(buffer, streamed=True):
+        if choice.streams:
             outputs = self._outputs(group, members, backend)
             if all(_contiguous(array) for array in sources + outputs):
-                yield from self._allreduce_streamed(group, members, buffer, sources,
-                                                    outputs, prescale, factor)
+                yield from self._allreduce_streamed(choice, group, members, buffer,
+                                                    sources, outputs, prescale, factor)
                 return
         yield from self._traced(names, "MEMCPY_IN_FUSION_BUFFER",
                                 _now(backend.pack, sources, group.counts, buffer,
                                      prescale))
         yield from self._traced(names, "MPI_ALLREDUCE",
-                                self._reduce(buffer, first.op, backend,
+                                self._reduce(choice, buffer, first.op, backend,
                                              counts=group.counts))
         if integer is not None:
             factor = 1.0
@@ -224,20 +270,20 @@ class Executor:
                 member.output = self._result(backend, response.shape, member.dtype)
         return [None if member is None else member.output for member in members]
 
-    def _allreduce_streamed(self, group, members, buffer, sources, outputs, prescale,
-                            factor):
-        """Through the host route, each chunk's inputs go straight into shared
+    def _allreduce_streamed(self, choice, group, members, buffer, sources, outputs,
+                            prescale, factor):
+        """Through the host reducer, each chunk's inputs go straight into shared
         memory and its results straight into the outputs (mpitrain.engine.streaming)."""
         stream = Stream(group.starts, group.counts, [flat(s) for s in sources],
                         [flat(o) for o in outputs], prescale, factor, buffer.dtype)
-        yield from self._traced(group.names, "MPI_ALLREDUCE", self.channel.allreduce(
-            buffer, group.responses[0].op, fill=stream.fill, drain=stream.drain,
-            read=stream.read))
+        yield from self._traced(group.names, "MPI_ALLREDUCE", routes.host_allreduce(
+            choice.route, self.channel, buffer, group.responses[0].op, fill=stream.fill,
+            drain=stream.drain, read=stream.read))
         for member in members:
             if member is not None:
                 self.finish(member, member.output)
 
-    def _allreduce_alone(self, response, entry, factor, integer, backend):
+    def _allreduce_alone(self, choice, response, entry, factor, integer, backend):
         """One tensor: reduce in its output directly, without the fusion buffer."""
         output = entry.output
         if output is not None and not output.flags.c_contiguous:
@@ -257,8 +303,8 @@ class Executor:
             else:
                 backend.scale_into(entry.input, prescale, output)
         yield from self._traced([response.name], "MPI_ALLREDUCE",
-                                self._reduce(output.reshape(-1), response.op, backend,
-                                             factor, fill))
+                                self._reduce(choice, output.reshape(-1), response.op,
+                                             backend, factor, fill))
         if integer is not None and integer != (1.0, 1):
             backend.scale_integers(output.reshape(-1), *integer)
         if entry.output is not None and output is not entry.output:
@@ -267,30 +313,33 @@ class Executor:
         backend.settle()
         self.finish(entry, output)
 
-    def _reduce(self, buffer, op, backend, factor=1.0, fill=None, counts=None):
-        """Allreduce a 1-D buffer in place across the set, then multiply it by factor.
+    def _reduce(self, choice, buffer, op, backend, factor=1.0, fill=None, counts=None):
+        """Allreduce a 1-D buffer in place across the set by choice's route,
+        then multiply it by factor.
 
         fill(start, stop, destination), if given, writes the input's elements
         start:stop into destination first (see Channel.allreduce). counts:
         the elements of each tensor in the buffer (Adasum treats each alone;
         None: the buffer is one tensor).
         """
-        if op == ReduceOp.ADASUM:
+        route = choice.route
+        if route is routes.ADASUM:
             yield from self._adasum(buffer, backend, factor, fill,
                                     counts or [buffer.size])
             return
         scale = None if factor == 1.0 else (
             lambda start, stop: backend.scale_into(buffer[start:stop], factor,
                                                    buffer[start:stop]))
-        if self.channel.size > 1 and backend is arrays.HOST:
+        if route.buffers == routes.HOST:
             # Fill each chunk right before it travels and scale it right
             # after, while it is in cache: a pass over cold memory costs more.
-            yield from self.channel.allreduce(buffer, op, fill=fill, after=scale)
+            yield from routes.host_allreduce(route, self.channel, buffer, op, fill=fill,
+                                             after=scale)
             return
         if fill is not None:
             fill(0, buffer.size, buffer)
-        if self.channel.size > 1:
-            yield from self.devices.allreduce(buffer, op, self.channel, backend)
+        if route.buffers == routes.DEVICE:
+            yield from self.devices.allreduce(choice, buffer, op, self.channel, backend)
         if scale is not None:
             scale(0, buffer.size)
 

@@ -31,6 +31,9 @@ class Config:
     intra_node: str = "auto"               # host allreduces inside a node: shm, mpi, or auto
     hierarchical_allreduce: bool = False   # reduce inside nodes, then across them
     hierarchical_allgather: bool = False   # gather inside nodes, then across them
+    # For testing: a set of one rank moves its allreduces as a larger set does
+    # (fusion buffer, kernels, NCCL, CUDA-aware or staged MPI) instead of nothing.
+    test_one_rank_pipeline: bool = False
     explicit: frozenset = frozenset()      # fields the user set; autotune leaves them alone
 
 
@@ -111,6 +114,7 @@ _VARIABLES = {
     "intra_node": ("INTRA_NODE", _choice("auto", "shm", "mpi"), "auto, shm or mpi"),
     "hierarchical_allreduce": ("HIERARCHICAL_ALLREDUCE", _flag, "0 or 1"),
     "hierarchical_allgather": ("HIERARCHICAL_ALLGATHER", _flag, "0 or 1"),
+    "test_one_rank_pipeline": ("TEST_ONE_RANK_PIPELINE", _flag, "0 or 1"),
 }
 
 

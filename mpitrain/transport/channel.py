@@ -35,11 +35,15 @@ MPI_TYPES = {np.dtype(t): m for t, m in [
 _NUMPY_OPS = {}              # (ReduceOp, dtype) -> MPI.Op, made once MPI has started
 
 
+def propagates_nan(op, dtype):
+    """Must ``op`` on ``dtype`` keep a NaN from any rank, as numpy's Min and Max do?"""
+    return op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f"
+
+
 def numpy_operation(op, dtype):
     """Does mpi_operation give numpy's operation, which reads host memory only?"""
-    nan_aware = op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f"
     wrapping = op in (ReduceOp.SUM, ReduceOp.AVERAGE) and dtype.itemsize == 1
-    return nan_aware or wrapping
+    return propagates_nan(op, dtype) or wrapping
 
 
 def mpi_operation(op, dtype):
@@ -129,14 +133,10 @@ class Channel:
         return [(start, min(start + step, count))
                 for start in range(0, max(count, 1), step)]
 
-    def takes_host_route(self, buffer, streamed=False):
-        """Does an allreduce of ``buffer`` travel by the host route (shared
-        memory)? streamed: its inputs and outputs are a fused group's tensors
-        (a drain is given)."""
-        return self.host_route is not None and self.host_route.takes(buffer, streamed)
-
-    def allreduce(self, buffer, op, fill=None, after=None, drain=None, read=None):
-        """Reduce a 1-D host buffer in place, in chunks of about chunk_size bytes.
+    def allreduce(self, buffer, op, fill=None, after=None, drain=None):
+        """MPI's allreduce of a 1-D buffer in place, in chunks of about chunk_size
+        bytes: host memory, or device memory where the route table says MPI
+        takes it (mpitrain.transport.routes).
 
         fill(start, stop, destination), if given, writes the input's elements
         start:stop into destination (buffer[start:stop], or shared memory)
@@ -145,15 +145,8 @@ class Channel:
         blocking channel right after it arrives, while it is still in cache.
         drain(start, stop, source), instead of after, takes each chunk's
         results from source, which may be shared memory: buffer then need
-        not hold them. read(start, stop), with drain: the input's elements
-        start:stop where they lie, which the host route may reduce from
-        directly (SharedMemoryAllreduce.allreduce).
+        not hold them.
         """
-        if self.takes_host_route(buffer, streamed=drain is not None):
-            yield from self.host_route.reducer.allreduce(buffer, op, fill, after,
-                                                         guard=self._blocking,
-                                                         drain=drain, read=read)
-            return
         after = draining(buffer, after, drain)
         mpi_op = mpi_operation(op, buffer.dtype)
         mpi_type = MPI_TYPES[buffer.dtype]
@@ -181,6 +174,16 @@ class Channel:
                 yield from _completed(in_flight.pop(0), after)
         for piece in in_flight:
             yield from _completed(piece, after)
+
+    def allreduce_by_host_reducer(self, buffer, op, fill=None, after=None, drain=None,
+                                  read=None):
+        """The job's host reducer (shared memory, or hierarchical) on a 1-D host
+        buffer, its barriers watched like this channel's calls; as allreduce,
+        and read(start, stop): the input's elements start:stop where they lie,
+        which it may reduce from directly (SharedMemoryAllreduce.allreduce)."""
+        yield from self.host_route.reducer.allreduce(buffer, op, fill, after,
+                                                     guard=self._blocking,
+                                                     drain=drain, read=read)
 
     def close(self):
         """Let go of the host route's shared memory (the communicator is the owner's)."""

@@ -1,11 +1,13 @@
 """How one process set moves device buffers: NCCL, CUDA-aware MPI, or through host memory.
 
-The job's Plan (mpitrain.transport.selection) says whether to use NCCL. The set's
-communicator is made at its first device allreduce, which every member runs
-in the same round; there the ranks first check that each reduces on a GPU of
-its own, as NCCL requires. Where NCCL cannot start, the setting decides:
-``nccl`` fails the set's device operations on every rank, with the reason;
-``auto`` moves them through MPI instead, and says so once.
+The route table (mpitrain.transport.routes) picks one for each group; this
+module carries it out. The job's Plan (mpitrain.transport.selection) says
+whether to use NCCL. The set's communicator is made at its first device
+allreduce, which every member runs in the same round; there the ranks first
+check that each reduces on a GPU of its own, as NCCL requires. Where NCCL
+cannot start, the setting decides: ``nccl`` fails the set's device operations
+on every rank, with the reason; ``auto`` moves them through MPI instead, and
+says so once.
 
 Staging through host memory is pipelined: every chunk's copy to pinned host
 memory is queued at once, MPI reduces a chunk as soon as its copy is done,
@@ -17,28 +19,30 @@ import logging
 import numpy as np
 
 from mpitrain.errors import GpuError
-from mpitrain.ops import ReduceOp
-from mpitrain.transport.channel import numpy_operation
-from mpitrain.transport import nccl
+from mpitrain.transport import nccl, routes
 from mpitrain.transport.nccl import NcclAllreduce
 
 log = logging.getLogger("mpitrain")
 
-NCCL, CUDA_AWARE, STAGED = "NCCL", "CUDA-aware MPI", "MPI staged through host memory"
-
 
 class DeviceTransport:
-    def __init__(self, plan, cuda_aware, node, set_id):
+    def __init__(self, plan, node, set_id, one_rank_pipeline=False):
         self.plan = plan
-        self.cuda_aware = cuda_aware      # this rank's MPI reads device memory
+        self.cuda_aware = plan is not None and plan.cuda_aware   # every rank's MPI
         self.node = node                  # which host this rank is on (a job rank)
         self.set_id = set_id
+        # MPITRAIN_TEST_ONE_RANK_PIPELINE: a set of one rank moves its buffers too
+        self.one_rank_pipeline = one_rank_pipeline
         self.nccl = None                  # the set's NcclAllreduce, once made
         self.broken = ""                  # why the set's device operations fail
         self._untried = plan is not None and plan.nccl
 
     def needs_setup(self, channel):
-        return self._untried and channel.size > 1
+        return self._untried and (channel.size > 1 or self.one_rank_pipeline)
+
+    def nccl_types(self):
+        """The dtypes the set's NCCL communicator reduces (none before it is made)."""
+        return frozenset() if self.nccl is None else nccl.DTYPES
 
     def set_up(self, channel, backend):
         """Make the set's NCCL communicator: every member, in the same round."""
@@ -82,7 +86,8 @@ class DeviceTransport:
         elif channel.rank == 0:
             log.warning("mpitrain: %s; device allreduces of process set %d go through "
                         "%s instead", why, self.set_id,
-                        CUDA_AWARE if self.cuda_aware else STAGED)
+                        "CUDA-aware MPI" if self.cuda_aware
+                        else "MPI, staged through pinned host memory")
 
     def check(self, backend):
         """Raise why this set cannot reduce buffers of ``backend`` now."""
@@ -94,29 +99,20 @@ class DeviceTransport:
                 f"but the tensor is on GPU {backend.device}: keep a rank's tensors "
                 "on one GPU")
 
-    def route(self, dtype, op):
-        if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "f":
-            return STAGED         # for numpy's NaN rule, which only the host applies
-        if self.nccl is not None and self.nccl.handles(dtype):
-            return NCCL
-        if numpy_operation(op, dtype):
-            return STAGED         # MPI would run numpy's operation on device memory
-        return CUDA_AWARE if self.cuda_aware else STAGED
-
-    def allreduce(self, buffer, op, channel, backend):
-        """Reduce a contiguous 1-D device buffer in place across the set."""
-        route = self.route(buffer.dtype, op)
-        if route == NCCL:
+    def allreduce(self, choice, buffer, op, channel, backend):
+        """Reduce a contiguous 1-D device buffer in place across the set, by
+        the device route of ``choice`` (routes.choose)."""
+        if choice.route is routes.NCCL:
             with backend.active():
                 self.nccl.allreduce(buffer, op, backend.stream)
-        elif route == CUDA_AWARE:
+        elif choice.route is routes.CUDA_AWARE:
             backend.settle()             # MPI reads device memory: it must be ready
             yield from channel.allreduce(buffer, op)
         else:
-            yield from _staged(buffer, op, channel, backend)
+            yield from _staged(buffer, op, channel, backend, choice.host_leg)
 
 
-def _staged(buffer, op, channel, backend):
+def _staged(buffer, op, channel, backend, host_leg):
     host = backend.pinned(buffer.dtype, buffer.size)
     copies = [backend.download(buffer[start:stop], host[start:stop])
               for start, stop in channel.chunks(buffer.size, buffer.itemsize)]
@@ -129,8 +125,8 @@ def _staged(buffer, op, channel, backend):
         if not np.shares_memory(destination, host):      # shared memory: copy on
             np.copyto(destination, host[start:stop])
 
-    yield from channel.allreduce(
-        host, op, fill=fill,
+    yield from routes.host_allreduce(
+        host_leg, channel, host, op, fill=fill,
         after=lambda start, stop: backend.upload(host[start:stop], buffer[start:stop]))
 
 

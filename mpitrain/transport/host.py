@@ -39,9 +39,11 @@ class HostRoute:
     gatherer: object = None    # .allgatherv(send, receive, counts); None: MPI's
     stream_min_bytes: int = 0  # the same for fused groups that stream (streamed=True)
 
-    def takes(self, buffer, streamed=False):
+    def takes(self, nbytes, streamed=False):
+        """Does the reducer take a buffer of nbytes? streamed: a fused group's
+        tensors, streamed chunk by chunk (mpitrain.engine.streaming)."""
         least = self.stream_min_bytes if streamed else self.min_bytes
-        return self.reducer is not None and buffer.nbytes >= least
+        return self.reducer is not None and nbytes >= least
 
     def gathers(self, total_bytes):
         return self.gatherer is not None and self.gatherer.takes(total_bytes)

@@ -35,6 +35,7 @@ class Plan:
     setting: str
     reason: str
     gpus: bool = True      # some rank has a CUDA device
+    cuda_aware: bool = False   # every rank's MPI reads device memory
 
 
 def local_facts(node, setting, cuda_aware):
@@ -59,20 +60,24 @@ def choose(facts):
     """
     setting = facts[0].setting
     gpus = any(f.gpus for f in facts)
+    # A rank whose MPI cannot read device memory stages its buffers, and its
+    # host copy may take shared memory while the others call MPI: all or none.
+    aware = all(f.cuda_aware for f in facts)
     if setting == "mpi":
-        return Plan(False, setting, "MPITRAIN_GPU_OPERATIONS=mpi", gpus)
+        return Plan(False, setting, "MPITRAIN_GPU_OPERATIONS=mpi", gpus, aware)
     blockers = nccl_blockers(facts)
     if not blockers:
         return Plan(True, setting,
                     "MPITRAIN_GPU_OPERATIONS=nccl" if setting == "nccl" else
-                    f"every rank has a GPU of its own and NCCL {facts[0].nccl} loads")
+                    f"every rank has a GPU of its own and NCCL {facts[0].nccl} loads",
+                    cuda_aware=aware)
     if setting == "nccl":
         raise ValueError(
             "MPITRAIN_GPU_OPERATIONS=nccl cannot work here: " + "; ".join(blockers)
             + ". Use MPITRAIN_GPU_OPERATIONS=mpi (device buffers then go through "
             "CUDA-aware MPI, or through host memory), or leave it unset and let "
             "mpitrain choose")
-    return Plan(False, setting, blockers[0], gpus)
+    return Plan(False, setting, blockers[0], gpus, aware)
 
 
 def nccl_blockers(facts):
