@@ -5,10 +5,14 @@ checks as the CPU tests, on the transport the job chooses (run them once per
 transport: MPITRAIN_GPU_OPERATIONS=nccl, a CUDA-aware MPI, a plain one) and,
 where a test says so, staged through host memory. Ranks share the machine's
 GPUs round-robin by local rank; NCCL, which needs a GPU for each rank, skips
-where there are fewer GPUs than ranks.
+where there are fewer GPUs than ranks, so one-rank jobs with
+MPITRAIN_TEST_ONE_RANK_PIPELINE=1 run NCCL's whole path on a machine with one
+GPU (and every other device route). A failure says the transport, the routes
+taken, the arrays' layouts and the first wrong values (tests/gpu_report.py).
 """
 
 import gc
+import os
 
 import ml_dtypes
 import numpy as np
@@ -16,6 +20,7 @@ import pytest
 
 import mpitrain as mt
 from mpitrain.backends import arrays
+from tests.gpu_report import expect, expect_route, watch_routes
 from tests.mpi_harness import mpi_test
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -26,6 +31,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 GPUS = arrays.cupy().cuda.runtime.getDeviceCount() if arrays.cupy() is not None else 0
 STAGED = {"MPITRAIN_GPU_OPERATIONS": "mpi", "MPITRAIN_CUDA_AWARE": "0"}
 NCCL = {"MPITRAIN_GPU_OPERATIONS": "nccl"}
+MPI = {"MPITRAIN_GPU_OPERATIONS": "mpi"}            # CUDA-aware where the library is
+PIPELINE = {"MPITRAIN_TEST_ONE_RANK_PIPELINE": "1"}  # one rank moves its buffers too
 
 
 def runnable(nprocs, env):
@@ -37,9 +44,18 @@ def runnable(nprocs, env):
 
 
 def use_my_gpu():
+    watch_routes()
     cupy = arrays.cupy()
     cupy.cuda.Device(mt.local_rank() % GPUS).use()
     return cupy
+
+
+def device_route():
+    """The route of device float32 sums on the job-wide set, as docs/gpu.md says."""
+    plan = mt.api.basics.engine().device_plan
+    if mt.size() == 1 and os.environ.get("MPITRAIN_TEST_ONE_RANK_PIPELINE") != "1":
+        return "one rank"
+    return "NCCL" if plan.nccl else "CUDA-aware MPI" if plan.cuda_aware else "staged"
 
 
 def as_bfloat16(cupy, values):
@@ -68,17 +84,18 @@ def fused_alone_and_16_bit():
     handles.append(mt.allreduce_async(cupy.full(6, 100, cupy.int8), name="int8.average"))
     results = [mt.synchronize(h) for h in handles]
     for i, result in enumerate(results[:20]):
-        assert isinstance(result, cupy.ndarray) and result is not small[i]
-        assert (result == sum(k + i for k in range(n))).all()
-    assert (results[20] == sum(k + 1 for k in range(n)) / n).all()
-    for result, (dtype, inputs) in zip(results[21:23], wide.items()):
-        assert result.dtype == dtype
+        assert isinstance(result, cupy.ndarray) and result is not small[i], type(result)
+        expect(result, sum(k + i for k in range(n)), f"fused sum small.{i}", [small[i]])
+    expect(results[20], sum(k + 1 for k in range(n)) / n, "average of big, alone", [big])
+    for result, (dtype, inputs), source in zip(results[21:23], wide.items(), (half, brain)):
+        assert result.dtype == dtype, (result.dtype, dtype)
         exact = sum(x.astype(np.float32) for x in inputs).astype(dtype)
-        got = result.view(np.uint16).get().view(dtype)
-        np.testing.assert_array_equal(got.astype(np.float32), exact.astype(np.float32))
-    assert (results[23] == n - 1).all()
-    assert results[24].dtype == cupy.int8 and (results[24] == 100).all()   # summed in int64
-    assert (small[0] == r).all(), "an out-of-place allreduce changed its input"
+        expect(result, exact, f"{dtype} sum, rounded once", [source])
+    expect(results[23], n - 1, "int32 max")
+    assert results[24].dtype == cupy.int8, results[24].dtype
+    expect(results[24], 100, "int8 average, summed in int64")
+    expect(small[0], r, "the input of an out-of-place allreduce (unchanged)")
+    expect_route("GPU float32 average", device_route())
 
 
 @mpi_test(np=(1, 2, 3), skip=runnable)
@@ -124,25 +141,28 @@ def in_place_and_the_other_collectives():
     grads.append(cupy.full(2 * 1024 * 1024, float(r), cupy.float32))     # alone
     grads.append(cupy.full((8, 6), float(r), cupy.float32)[:, ::2])      # strided
     handles = [mt.allreduce_async(g, name=f"grad.{i}", output=g) for i, g in enumerate(grads)]
-    for handle, g in zip(handles, grads):
-        assert mt.synchronize(handle) is g and (g == sum(range(n)) / n).all()
+    for i, (handle, g) in enumerate(zip(handles, grads)):
+        assert mt.synchronize(handle) is g, f"grad.{i}: the result is not the output given"
+        expect(g, sum(range(n)) / n, f"in-place average grad.{i}", [g])
     gathered = mt.allgather(cupy.full((r + 1, 2), r, cupy.int32))
-    assert isinstance(gathered, cupy.ndarray) and gathered.shape == (sum(range(1, n + 1)), 2)
-    assert (gathered[-n:] == n - 1).all()
+    assert isinstance(gathered, cupy.ndarray), type(gathered)
+    expect(gathered, np.repeat(np.arange(n, dtype=np.int32), np.arange(1, n + 1))[:, None]
+           * np.ones(2, np.int32), "allgather of (r + 1, 2) int32")
     root = n - 1
-    assert (mt.broadcast(cupy.full(4, r, cupy.float64), root_rank=root) == root).all()
+    expect(mt.broadcast(cupy.full(4, r, cupy.float64), root_rank=root), root, "broadcast")
     target = cupy.full(3, r, cupy.float32)
     assert mt.synchronize(mt.broadcast_async(target, root, output=target)) is target
-    assert (target == root).all()
+    expect(target, root, "in-place broadcast")
     rows, received = mt.alltoall(cupy.arange(2 * n, dtype=cupy.float32))
-    assert isinstance(rows, cupy.ndarray) and rows.shape == (2 * n,)
-    assert list(received) == [2] * n
-    part = mt.reducescatter(cupy.ones((n, 3), cupy.float32), op=mt.Sum)
-    assert part.shape == (1, 3) and (part == n).all()
+    assert isinstance(rows, cupy.ndarray), type(rows)
+    expect(rows, np.tile(np.float32([2 * r, 2 * r + 1]), n), "alltoall of 2 rows each")
+    assert list(received) == [2] * n, list(received)
+    expect(mt.reducescatter(cupy.ones((n, 3), cupy.float32), op=mt.Sum), np.full((1, 3), n),
+           "reducescatter sum")
     brain = mt.allgather(as_bfloat16(cupy, [r + 0.5]))
-    assert brain.dtype == ml_dtypes.bfloat16
-    assert list(brain.view(np.uint16).get().view(ml_dtypes.bfloat16).astype(float)) == \
-        [k + 0.5 for k in range(n)]
+    assert brain.dtype == ml_dtypes.bfloat16, brain.dtype
+    expect(brain, [k + 0.5 for k in range(n)], "allgather of bfloat16")
+    expect_route("GPU float32 average", device_route())
 
 
 @mpi_test(np=(1, 2, 3), skip=runnable)
@@ -155,6 +175,29 @@ def test_in_place_and_the_other_collectives_staged_through_host_memory():
     in_place_and_the_other_collectives()
 
 
+def whole_pipeline():
+    """The allreduces above on one rank that moves its buffers as a larger job does."""
+    fused_alone_and_16_bit()
+    in_place_and_the_other_collectives()
+    for kind in ("GPU float32 sum", "GPU int32 max", "GPU int64 average"):
+        expect_route(kind, device_route())
+
+
+@mpi_test(np=(1,), env=PIPELINE)
+def test_one_rank_takes_the_whole_device_pipeline_on_the_chosen_transport():
+    whole_pipeline()          # NCCL where it loads: one rank has a GPU of its own
+
+
+@mpi_test(np=(1,), env=dict(MPI, **PIPELINE))
+def test_one_rank_takes_the_whole_device_pipeline_through_mpi():
+    whole_pipeline()          # CUDA-aware where the MPI library is, else staged
+
+
+@mpi_test(np=(1,), env=dict(STAGED, **PIPELINE))
+def test_one_rank_takes_the_whole_device_pipeline_staged():
+    whole_pipeline()
+
+
 @mpi_test(np=(2, 3), env=dict(STAGED, MPITRAIN_CHUNK_SIZE=str(1 << 20)))
 def test_a_staged_allreduce_of_many_chunks_pipelines_to_the_right_sum():
     cupy = use_my_gpu()
@@ -162,11 +205,12 @@ def test_a_staged_allreduce_of_many_chunks_pipelines_to_the_right_sum():
     count = 16 * 1024 * 1024                      # 64 MiB: 64 chunks of 1 MiB
     x = cupy.arange(count, dtype=cupy.float32) % 1000 + r
     out = mt.allreduce(x, op=mt.Sum)
-    want = (cupy.arange(count, dtype=cupy.float32) % 1000) * n + sum(range(n))
-    assert bool((out == want).all())
+    want = (np.arange(count, dtype=np.float32) % 1000) * n + sum(range(n))
+    expect(out, want, "64 MiB sum in 64 chunks", [x])
     fused = [cupy.full(100_000, float(r + i), cupy.float32) for i in range(30)]   # 12 MB
     for i, result in enumerate(mt.grouped_allreduce(fused, op=mt.Sum)):
-        assert bool((result == sum(k + i for k in range(n))).all())
+        expect(result, sum(k + i for k in range(n)), f"fused sum {i} of 30", [fused[i]])
+    expect_route("GPU float32 sum", "staged")
 
 
 @mpi_test(np=(3,), skip=runnable)
@@ -180,10 +224,15 @@ def test_a_process_set_reduces_device_buffers_among_its_members():
             big = cupy.full(1 << 20, r, cupy.float32)
             results = mt.grouped_allreduce(small + [big], op=mt.Sum, process_set=outer)
             for i, result in enumerate(results[:5]):
-                assert (result == 2 + 2 * i).all()
-            assert (results[5] == 2).all()
+                expect(result, 2 + 2 * i, f"sum of small.{i} on the set {{0, 2}}")
+            expect(results[5], 2, "sum of big on the set {0, 2}")
+            # Open MPI's non-blocking collectives, which a process set uses, take
+            # no device memory: CUDA-aware MPI is for the job-wide set only
+            plan = mt.api.basics.engine().device_plan
+            expect_route("GPU float32 sum", "NCCL" if plan.nccl else "staged",
+                         outer.process_set_id)
         everyone = mt.allreduce(cupy.ones(10, cupy.float32), op=mt.Sum, name="everyone")
-        assert (everyone == 3).all()
+        expect(everyone, 3, "sum on the job-wide set beside a process set")
     finally:
         mt.barrier()
         mt.remove_process_set(outer)
@@ -197,7 +246,7 @@ def test_cross_rank_errors_on_the_device():
     x = cupy.zeros(3, cupy.float32) if mt.rank() == 0 else np.zeros(3, np.float32)
     with pytest.raises(mt.MismatchError, match="mismatched devices.*rank 0: GPU"):
         mt.allreduce(x, name="gpu.or.cpu")
-    assert (mt.allreduce(cupy.ones(2), op=mt.Sum) == mt.size()).all()
+    expect(mt.allreduce(cupy.ones(2), op=mt.Sum), mt.size(), "sum after the errors")
 
 
 @mpi_test(np=(1, 2), skip=runnable)
@@ -209,7 +258,7 @@ def test_an_input_freed_or_written_by_a_queued_kernel_before_synchronize():
     r, n = mt.rank(), mt.size()
     handle = mt.allreduce_async(cupy.full(1 << 16, r + 1.0, cupy.float32), op=mt.Sum)
     gc.collect()
-    assert (mt.synchronize(handle) == sum(range(1, n + 1))).all()
+    expect(mt.synchronize(handle), sum(range(1, n + 1)), "sum of an input dropped at once")
     slow_fill = cupy.RawKernel(r"""
     extern "C" __global__ void slow_fill(float* x, long long n, float value,
                                          long long cycles) {
@@ -221,7 +270,7 @@ def test_an_input_freed_or_written_by_a_queued_kernel_before_synchronize():
         x = cupy.zeros(size, cupy.float32)
         slow_fill((1,), (256,), (x, np.int64(size), np.float32(r + 1), np.int64(200_000_000)))
         result = mt.allreduce(x, op=mt.Sum, name=name)          # submitted at once
-        assert (result == sum(range(1, n + 1))).all(), name
+        expect(result, sum(range(1, n + 1)), f"{name}: sum of a slowly written input", [x])
 
 
 @mpi_test(np=(2,), skip=runnable)
@@ -247,7 +296,7 @@ def test_a_device_allocation_failing_on_one_rank_fails_the_allreduce_on_every_ra
     assert str(raised.value).startswith("allreduce of 'oom' failed: the GPU path could not "
                                         "be set up (rank 1: OutOfMemoryError")
     mt.barrier()
-    assert (mt.allreduce(x, op=mt.Sum, name="oom") == 2).all()     # nothing left broken
+    expect(mt.allreduce(x, op=mt.Sum, name="oom"), 2, "sum after a failed set-up", [x])
 
 
 # -- PyTorch ----------------------------------------------------------------------
@@ -292,22 +341,23 @@ def train(where, steps=4, **options):
 
 @mpi_test(np=(1, 2, 3), skip=runnable)
 def test_torch_cuda_training_with_overlap_fp16_and_accumulation_matches_the_cpu():
-    import torch
     import mpitrain.torch as hvd
     device = torch_device()
     for options in ({"overlap": True}, {"overlap": True, "backward_passes_per_step": 2},
                     {"compression": hvd.Compression.fp16}):
         (cpu, _), (gpu, gpu_optimizer) = [train(where, **options)
                                           for where in ("cpu", device)]
-        for p, q in zip(cpu.parameters(), gpu.parameters()):
-            assert q.is_cuda
-            torch.testing.assert_close(p, q.cpu(), atol=1e-4, rtol=1e-4, msg=str(options))
+        for (name, p), q in zip(cpu.named_parameters(), gpu.parameters()):
+            assert q.is_cuda, q.device
+            expect(q, p, f"{name} after training with {options}, against the CPU",
+                   rtol=1e-4, atol=1e-4)
         momentum = [s["momentum_buffer"] for s in gpu_optimizer.state.values()]
-        assert momentum and all(m.is_cuda for m in momentum)
+        assert momentum and all(m.is_cuda for m in momentum), [m.device for m in momentum]
         mine = [t.detach().cpu() for t in list(gpu.parameters()) + momentum]
-        for other in hvd.allgather_object(mine):
-            assert all(torch.equal(a, b) for a, b in zip(mine, other)), \
-                "parameters or optimizer state differ between ranks"
+        for rank, other in enumerate(hvd.allgather_object(mine)):
+            for index, (a, b) in enumerate(zip(mine, other)):
+                expect(a, b, f"parameter or momentum {index} with {options}, against "
+                             f"rank {rank}'s")
 
 
 @mpi_test(np=(1,))
@@ -327,7 +377,8 @@ def test_torch_cuda_step_on_one_rank_is_the_plain_step():
         opt.zero_grad()
         net(x).square().mean().backward()
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        expect(p, q, f"{name} after one step, against the plain optimizer's")
 
 
 @mpi_test(np=(1, 2, 3), skip=runnable)
@@ -342,17 +393,19 @@ def test_torch_bfloat16_cuda_tensors_reduce_in_float32_like_the_cpu():
         gpu = cpu.to(device)
         want = hvd.allreduce(cpu, op=hvd.Sum, name=f"cpu.{dtype}")
         got = hvd.allreduce(gpu, op=hvd.Sum, name=f"gpu.{dtype}")
-        assert got.dtype == dtype and got.is_cuda
-        assert torch.equal(got.cpu(), want)
+        assert got.dtype == dtype and got.is_cuda, (got.dtype, got.device)
+        expect(got, want, f"{dtype} sum, against the CPU's", [gpu])
         hvd.allreduce_(gpu, name=f"gpu.{dtype}.in_place")
-        assert torch.equal(gpu.cpu(), hvd.allreduce(cpu, name=f"cpu.{dtype}.mean"))
+        expect(gpu, hvd.allreduce(cpu, name=f"cpu.{dtype}.mean"),
+               f"{dtype} in-place average, against the CPU's")
     model = torch.nn.Linear(10, 4).to(device, torch.bfloat16)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters())
     model(torch.randn(3, 10, device=device, dtype=torch.bfloat16)).sum().backward()
     optimizer.step()
     weights = hvd.allgather_object(model.weight.detach().cpu())
-    assert all(torch.equal(w, weights[0]) for w in weights)
+    for rank, weight in enumerate(weights):
+        expect(weight, weights[0], f"bfloat16 weight of rank {rank}, against rank 0's")
 
 
 @mpi_test(np=(2, 3), skip=runnable)
@@ -370,8 +423,9 @@ def test_torch_sync_batch_norm_on_cuda_matches_the_cpu():
         out.square().sum().backward()
         outputs[str(where)] = (out.detach().cpu(), inputs.grad.cpu(),
                                norm.running_mean.cpu())
-    for cpu, gpu in zip(*outputs.values()):
-        torch.testing.assert_close(cpu, gpu, atol=1e-5, rtol=1e-5)
+    for what, cpu, gpu in zip(("output", "input gradient", "running mean"),
+                              *outputs.values()):
+        expect(gpu, cpu, f"SyncBatchNorm's {what}, against the CPU's", rtol=1e-5, atol=1e-5)
 
 
 # -- TensorFlow -------------------------------------------------------------------
