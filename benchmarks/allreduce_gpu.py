@@ -11,13 +11,19 @@ runs as users call it: out of place (a new result array) and in place
 (output=), for one tensor and for the same bytes in 64 tensors. Baselines in
 the same processes: one mpi4py Allreduce of the device buffer where MPI is
 CUDA-aware (else of a host copy, copies included) and one NCCL allReduce on
-CuPy's stream, where NCCL can start (not with two ranks on one GPU).
+CuPy's stream, where NCCL can start (not with two ranks on one GPU), and
+mpitrain on a numpy array of the same bytes, the host route that staging
+feeds. The last lines give the figures of docs/gpu.md's speed table, against
+their goals, and how many engine rounds a call of 64 tensors took (more than
+one: the engine started before the 64 were all submitted, and paid a round's
+fixed cost again).
 """
 
 import argparse
 import os
 import sys
 
+import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
@@ -80,7 +86,8 @@ def main():
                                                nccl.NCCL_SUM, stream.ptr),
                         stream.synchronize())
 
-    rows = []
+    rows, rounds_per_call = [], {}
+    controller = engine.controllers[0]
     for nbytes in SIZES:
         count = nbytes // 4
         one = cupy.ones(count, cupy.float32)
@@ -92,11 +99,20 @@ def main():
             "64 tensors, in place": mpitrain_in_place(many, f"in.many.{nbytes}"),
             "raw MPI" + ("" if engine.cuda_aware else " (host copies)"):
                 raw_mpi(cupy.ones(count, cupy.float32)),
+            # the host route alone: what staging can reach at best
+            "1 host tensor, out of place": mpitrain_out_of_place(
+                [np.ones(count, np.float32)], f"host.one.{nbytes}"),
         }
         if communicator is not None:
             variants["raw NCCL"] = raw_nccl(cupy.ones(count, cupy.float32))
         rounds = [alternate(world, variants, args.repetitions) for _ in range(args.rounds)]
         rows.append((nbytes, rounds))
+        for name in ("64 tensors, in place", "1 tensor, in place"):
+            world.Barrier()
+            before = controller.rounds
+            variants[name]()
+            rounds_per_call[nbytes, name] = world.allreduce(controller.rounds - before,
+                                                            op=MPI.MAX)
     if world.rank == 0:
         print(f"GPU allreduce, {world.size} ranks on "
               f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; mpitrain's "
@@ -113,13 +129,37 @@ def main():
                              f"{bus_bandwidth(nbytes, seconds[0], world.size):.1f} "
                              f"({seconds[0] * 1e3:.2f}-{seconds[-1] * 1e3:.2f})")
             print(f"{nbytes // KiB} KiB | " + " | ".join(cells))
-        print("64 tensors / 1 tensor of the same bytes (goal: at most 2):")
+        print("64 tensors / 1 tensor of the same bytes (goal: at most 2), and the "
+              "engine rounds of one call (64 tensors; 1 tensor):")
         for nbytes, rounds in rows:
             cells = []
             for how in ("in place", "out of place"):
                 ratio = [r[f"64 tensors, {how}"] / r[f"1 tensor, {how}"] for r in rounds]
                 cells.append(f"{how} {min(ratio):.2f}-{max(ratio):.2f}")
-            print(f"  {nbytes // KiB} KiB: " + ", ".join(cells))
+            calls = [rounds_per_call[nbytes, f"{many} in place"]
+                     for many in ("64 tensors,", "1 tensor,")]
+            print(f"  {nbytes // KiB} KiB: " + ", ".join(cells)
+                  + f"; rounds {calls[0]}; {calls[1]}")
+        print_speed_table(rows, world.size, engine)
+
+
+def print_speed_table(rows, size, engine):
+    """The rows of docs/gpu.md's speed table that this run measures."""
+    plan = engine.device_plan
+    transport = "NCCL" if plan.nccl else "CUDA-aware MPI" if plan.cuda_aware else "staged"
+    small = [(nbytes, rounds) for nbytes, rounds in rows if nbytes <= 1 * MiB]
+    ratios = [r[f"64 tensors, {how}"] / r[f"1 tensor, {how}"]
+              for _, rounds in small for r in rounds for how in ("in place", "out of place")]
+    largest, rounds = rows[-1]
+    bandwidths = [bus_bandwidth(largest, r["1 tensor, out of place"], size) for r in rounds]
+    print(f"speed table, {size} ranks, {transport}:")
+    print(f"  64 tensors / 1 tensor of the same bytes, "
+          f"{small[0][0] // KiB} KiB-{small[-1][0] // KiB} KiB: "
+          f"{min(ratios):.2f}-{max(ratios):.2f}x (goal: at most 2x)")
+    host = [bus_bandwidth(largest, r["1 host tensor, out of place"], size) for r in rounds]
+    print(f"  {largest // MiB} MiB bus bandwidth, 1 tensor: {min(bandwidths):.1f}-"
+          f"{max(bandwidths):.1f} GB/s (goal: at least 6 GB/s, staged on 2 ranks); "
+          f"the same in host memory: {min(host):.1f}-{max(host):.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -182,9 +182,13 @@ def main():
               "per mode, medians of the slowest rank per round, range over rounds:")
         for name in forward:
             print(f"    {name:<9} {span([r[name] for r in rounds])} ms")
+        goals = {("mpitrain", "none", 1): "goal of docs/gpu.md's speed table: at most 1.03",
+                 ("mpitrain", "ddp", 2): "goal of docs/gpu.md's speed table, staged: "
+                                         "at most 0.75"}
         for mode, baseline in (("mpitrain", "none"), ("mpitrain", "ddp"), ("ddp", "none")):
             ratios = [r[mode] / r[baseline] for r in rounds]
-            print(f"  {mode} / {baseline}: {span(ratios, 2)}")
+            goal = goals.get((mode, baseline, world.size))
+            print(f"  {mode} / {baseline}: {span(ratios, 2)}" + (f" ({goal})" if goal else ""))
         print(f"  parameters after the runs, mpitrain vs ddp: max |difference| = "
               f"{difference:.3g} (bf16 autocast: not bitwise)")
     dist.destroy_process_group()
