@@ -12,7 +12,6 @@ taken, the arrays' layouts and the first wrong values (tests/gpu_report.py).
 """
 
 import gc
-import os
 
 import ml_dtypes
 import numpy as np
@@ -52,8 +51,9 @@ def use_my_gpu():
 
 def device_route():
     """The route of device float32 sums on the job-wide set, as docs/gpu.md says."""
-    plan = mt.api.basics.engine().device_plan
-    if mt.size() == 1 and os.environ.get("MPITRAIN_TEST_ONE_RANK_PIPELINE") != "1":
+    engine = mt.api.basics.engine()
+    plan = engine.device_plan
+    if mt.size() == 1 and not engine.config.test_one_rank_pipeline:
         return "one rank"
     return "NCCL" if plan.nccl else "CUDA-aware MPI" if plan.cuda_aware else "staged"
 

@@ -87,7 +87,7 @@ HOST_REDUCER = Route(
     "host reducer", HOST, lambda group, offer: (
         offer.host_route is not None
         and offer.host_route.takes(group.nbytes, streamed=group.streamed)),
-    "the job's host reducer (shared memory inside a node, or hierarchical)")
+    "shared memory inside a node, or hierarchical across nodes")
 MPI = Route("MPI", HOST, lambda group, offer: True, "MPI's allreduce")
 
 ROUTES = (ONE_RANK, ADASUM, NCCL, CUDA_AWARE, STAGED, HOST_REDUCER, MPI)
