@@ -1,6 +1,7 @@
 """TensorFlow/Keras gradient compressors: the torch ones' math, and training on 2 and 3 ranks."""
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -209,3 +210,34 @@ def test_a_choice_per_variable_that_is_no_compressor_is_refused_by_name():
     with pytest.raises(ValueError, match="compression chose 'fp16' for 'dense/bias': a "
                                          "choice per variable is Compression.topk"):
         choose("dense/bias", (3,))
+
+
+@mpi_test(np=(2, 3), env=TF_ENV, timeout=180)
+def test_compressors_that_differ_between_ranks_fail_every_rank_naming_each():
+    """Eagerly and in a tf.function: other settings garbled the sums (numpy's
+    size error); another kind, or none, left the ranks waiting for each other."""
+    one_thread()
+    x, y = dataset(1)
+    features, labels = shard(x, 1), shard(y, 1)
+    c = hvd_tf.Compression
+    others = "ranks 0, 2" if hvd.size() == 3 else "rank 0"
+    for usual, other in ((c.int8(256, min_elements=0), c.int8(512, min_elements=0)),
+                         (c.int8(min_elements=0), c.onebit(min_elements=0)),
+                         (c.topk(0.1, min_elements=0), c.none)):
+        model = make_model(0)
+        compression = other if hvd.rank() == 1 else usual
+
+        def gradients():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(features) - labels) ** 2)
+            tape = hvd_tf.DistributedGradientTape(tape, compression=compression)
+            return tape.gradient(loss, model.trainable_variables)
+
+        rank_1 = "uncompressed" if other is c.none else repr(other)
+        expected = (rf"compression=\.\.\.: the compressor of '[\w/]+kernel' differs between "
+                    rf"ranks \({others}: {re.escape(repr(usual))}; rank 1: "
+                    rf"{re.escape(rank_1)}\): every rank must use the same")
+        for run, error in ((gradients, hvd_tf.MismatchError),
+                           (tf.function(gradients), tf.errors.UnknownError)):
+            with pytest.raises(error, match=expected):
+                run()

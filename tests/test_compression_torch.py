@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import mpitrain.torch as hvd
+from mpitrain.errors import CollectiveValueError
 from mpitrain.torch.compression.powersgd import orthonormal
 from tests.mpi_harness import mpi_test
 from tests.test_torch_optimizer import (ROWS, assert_identical_across_ranks, batch,
@@ -276,3 +277,53 @@ def test_a_choice_per_parameter_that_is_no_compressor_is_refused_by_name():
                                          "choice per parameter is Compression.topk"):
         choice.split(lambda name, p: "fp16" if name == "fc.bias" else None,
                      [weight, bias], names)
+
+
+def compressors_differing_on_rank_1():
+    """(what ranks 0 and 2 choose, what rank 1 chooses): issue 28's pairs."""
+    c = hvd.Compression
+    return [(c.int8(256, min_elements=0), c.int8(512, min_elements=0)),
+            (c.onebit(128, min_elements=0), c.onebit(512, min_elements=0)),
+            (c.topk(0.1, min_elements=0), c.topk(0.2, min_elements=0)),
+            (c.int8(min_elements=0), c.onebit(min_elements=0)),
+            (c.topk(0.1, error_feedback=False, min_elements=0), c.none)]
+
+
+@mpi_test()
+def test_compressors_that_differ_between_ranks_fail_every_rank_naming_each():
+    """Other settings garbled the decompression (torch's size error); another
+    kind, or none, left the ranks waiting for each other until the stall."""
+    r = hvd.rank()
+    for usual, other in compressors_differing_on_rank_1():
+        model = make_model()
+        with pytest.raises(hvd.MismatchError) as caught:
+            hvd.DistributedOptimizer(sgd(model.parameters()),
+                                     named_parameters=model.named_parameters(),
+                                     compression=other if r == 1 else usual)
+        others = "ranks 0, 2" if hvd.size() == 3 else "rank 0"
+        rank_1 = "uncompressed" if other is hvd.Compression.none else repr(other)
+        assert str(caught.value) == (
+            "DistributedOptimizer(compression=...): the compressor of '0.weight' differs "
+            f"between ranks ({others}: {usual!r}; rank 1: {rank_1}): every rank must "
+            "use the same"), str(caught.value)
+    model = make_model()                            # the same everywhere: trains
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         compression=hvd.Compression.int8(min_elements=0))
+    train(optimizer, model, steps=2)
+    assert_identical_across_ranks(model)
+
+
+@mpi_test()
+def test_a_choice_that_fails_on_one_rank_fails_every_rank():
+    model = make_model()
+    choice = {"nothing.such": hvd.Compression.topk(0.1)} if hvd.rank() == 1 else {}
+    error = ValueError if hvd.rank() == 1 else CollectiveValueError
+    with pytest.raises(error, match="compression names nothing.such, which the "
+                                    "optimizer does not train") as caught:
+        hvd.DistributedOptimizer(sgd(model.parameters()),
+                                 named_parameters=model.named_parameters(),
+                                 compression=choice)
+    if hvd.rank() != 1:
+        assert str(caught.value).startswith("DistributedOptimizer(compression=...) "
+                                            "failed on rank 1: ValueError: ")

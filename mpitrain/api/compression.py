@@ -89,6 +89,10 @@ class CompressorSettings:
     def load_state(self, name, state, own):
         """Take back ``state(name)``; ``own``: this rank saved it."""
 
+    def __repr__(self):
+        # The same on every rank (no address): ranks compare their choices by it.
+        return f"{type(self).__qualname__}(min_elements={self.min_elements!r})"
+
 
 class TopKSettings(CompressorSettings):
     """Top-k keeps a fraction (a float in (0, 1]) or a count (an int) of the entries."""

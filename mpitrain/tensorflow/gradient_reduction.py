@@ -3,6 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
+from mpitrain.api.agreement import require_same
 from mpitrain.api.compression import saved_states
 from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set, is_root
@@ -122,28 +123,53 @@ class GradientReducer:
                                                       self.process_set)
             else:
                 dense.append(i)
-        dense = [i for i in dense if not self._compressed(i, gradients, variables, results)]
-        for members in self._split(dense, variables):
-            compressed = [self.compression.compress(tf.convert_to_tensor(gradients[i]))
-                          for i in members]
-            reduced = self._reduce_group([c for c, _ in compressed])
-            for i, value, (_, context) in zip(members, reduced, compressed):
-                results[i] = self.compression.decompress(value, context)
+        choices = {i: self._choice(i, gradients, variables) for i in dense}
+        with tf.control_dependencies(self._agree(choices)):
+            for i, (name, compressor) in choices.items():
+                if compressor is not None:
+                    results[i] = self._compressed(i, name, gradients[i], compressor)
+            for members in self._split([i for i in dense if choices[i][1] is None],
+                                       variables):
+                compressed = [self.compression.compress(tf.convert_to_tensor(gradients[i]))
+                              for i in members]
+                reduced = self._reduce_group([c for c, _ in compressed])
+                for i, value, (_, context) in zip(members, reduced, compressed):
+                    results[i] = self.compression.decompress(value, context)
         return results
 
-    def _compressed(self, i, gradients, variables, results):
-        """Reduce gradient i through its compressor, if one is chosen for it."""
-        if self.choose is None:
-            return False
-        gradient = tf.convert_to_tensor(gradients[i])
+    def _choice(self, i, gradients, variables):
+        """(gradient i's name, the GradientCompressor chosen for it or None)."""
         variable = None if variables is None else variables[i]
         name = getattr(variable, "path", None) or getattr(variable, "name", None) \
             or f"gradient.{i}"
-        if not gradient.shape.is_fully_defined():
-            return False
-        compressor = self.choose(name, gradient.shape)
-        if compressor is None:
-            return False
+        if self.choose is None:
+            return name, None
+        shape = tf.convert_to_tensor(gradients[i]).shape
+        return name, self.choose(name, shape) if shape.is_fully_defined() else None
+
+    def _agree(self, choices):
+        """An op, run before the exchanges, that fails on every rank unless every
+        rank chose the same compressor, with the same settings, for each gradient
+        (else payloads that cannot be read together meet, or an exchange waits
+        forever for a rank that sends the gradient uncompressed). Every step: a
+        rank may trace its step again alone (a last, smaller batch)."""
+        if self.process_set.size() == 1 or not choices:
+            return []
+        settings = {i: "uncompressed" if compressor is None else repr(compressor)
+                    for i, (_, compressor) in choices.items()}
+        labels = {i: f"the compressor of '{name}'" for i, (name, _) in choices.items()}
+        name = graph_op.collective_name(None, "compression") or "mpitrain.compression"
+
+        def body(arrays):
+            require_same("compression=...", settings, name, self.process_set,
+                         labels=labels)
+            return arrays
+        return graph_op.run(body, [tf.zeros((), tf.int32)], [tf.int32], [()],
+                            "compression check")
+
+    def _compressed(self, i, name, gradient, compressor):
+        """Gradient i reduced through its compressor."""
+        gradient = tf.convert_to_tensor(gradient)
         divisor = self.process_set.size() if self.op == Average else 1
         # Unnamed tf.Variables share a name: the position keeps their state apart.
         key = f"{i}.{name}"
@@ -156,9 +182,8 @@ class GradientReducer:
         def body(arrays):
             total, _ = compressor.exchange(arrays[0], key, self.process_set)
             return [(total / divisor).astype(arrays[0].dtype)]
-        results[i] = graph_op.run(body, [gradient], [gradient.dtype], [gradient.shape],
-                                  "compressed allreduce")[0]
-        return True
+        return graph_op.run(body, [gradient], [gradient.dtype], [gradient.shape],
+                            "compressed allreduce")[0]
 
     def _reduce_group(self, tensors):
         """One op; the gradients of each dtype go together (reduce_arrays)."""

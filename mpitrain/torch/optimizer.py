@@ -46,8 +46,8 @@ class _DistributedOptimizer:
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
         # Parameters whose compressor moves them itself travel alone.
-        self._compression, self._compressor_of = choice.split(
-            compression, self._trained, self._names)
+        self._compression, self._compressor_of = choice.agreed_split(
+            compression, self._trained, self._names, process_set)
         if self._compressor_of and op not in (Average, Sum):
             raise ValueError("compressors such as Compression.topk sum what they "
                              f"receive: op must be Average or Sum, got {op.name}")

@@ -1,5 +1,6 @@
 """Which parameters a DistributedOptimizer compresses, and with what."""
 
+from mpitrain.api.agreement import require_same
 from mpitrain.api.compression import chosen_compressor, saved_states
 from mpitrain.torch.compression.base import GradientCompressor
 from mpitrain.torch.compression.casts import NoneCompressor
@@ -26,6 +27,30 @@ def split(compression, parameters, names):
     if callable(compression) and not isinstance(compression, type):
         return NoneCompressor, _chosen(parameters, names, compression)
     return compression, {}
+
+
+def agreed_split(compression, parameters, names, process_set):
+    """split(), the same on every rank of ``process_set``, or a MismatchError on
+    each naming the first parameter whose compressor or settings differ.
+
+    Payloads of different compressors, or of one with other settings, cannot
+    be read together, and a compressed exchange would wait forever for a rank
+    that sends its gradient uncompressed. A rank whose choice fails (a dict
+    naming unknown parameters) fails every rank.
+    """
+    if not process_set.included():
+        return split(compression, parameters, names)
+    fused, chosen, problem = compression, {}, None
+    try:
+        fused, chosen = split(compression, parameters, names)
+    except ValueError as error:
+        problem = error
+    require_same("DistributedOptimizer(compression=...)",
+                 {names[p]: repr(chosen[p]) if p in chosen else "uncompressed"
+                  for p in parameters},
+                 "DistributedOptimizer.compression", process_set, problem,
+                 labels={names[p]: f"the compressor of '{names[p]}'" for p in parameters})
+    return fused, chosen
 
 
 def _chosen(parameters, names, choose):
