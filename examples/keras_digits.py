@@ -70,7 +70,9 @@ def main():
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                  hvd.callbacks.MetricAverageCallback()]
     if hvd.rank() == 0:
-        callbacks.append(TqdmCallback(verbose=0))   # after the averaging: shows the means
+        # After the averaging: shows the means. Given the epochs, it draws no
+        # empty bar before Keras tells it how many there are.
+        callbacks.append(TqdmCallback(epochs=args.epochs, verbose=0))
     model.fit(train_x, train_y, batch_size=args.batch_size, epochs=args.epochs,
               callbacks=callbacks, verbose=0)
 

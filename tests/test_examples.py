@@ -16,17 +16,43 @@ LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
 TWO_MINUTES = 120
 
 
-def run_example(nprocs, script, *args, timeout=TWO_MINUTES):
-    """(stdout, seconds) of `mpitrainrun -np N python examples/<script>`."""
+def launch_example(nprocs, script, *args, timeout=TWO_MINUTES):
+    """(the finished job, seconds) of `mpitrainrun -np N python examples/<script>`;
+    its output as bytes, carriage returns kept."""
     started = time.monotonic()
     job = subprocess.run([LAUNCHER, "-np", str(nprocs), sys.executable,
                           os.path.join("examples", script), *args],
                          cwd=ROOT, env=job_environment(), capture_output=True,
-                         text=True, timeout=timeout)
+                         timeout=timeout)
     seconds = time.monotonic() - started
-    assert job.returncode == 0, job.stderr[-4000:]
+    assert job.returncode == 0, job.stderr[-4000:].decode(errors="replace")
+    return job, seconds
+
+
+def run_example(nprocs, script, *args, timeout=TWO_MINUTES):
+    """(stdout without the rank tags, seconds) of launch_example()."""
+    job, seconds = launch_example(nprocs, script, *args, timeout=timeout)
+    return untagged_stdout(job), seconds
+
+
+def untagged_stdout(job):
     # mpitrainrun tags every line with its rank: "[1,0]<stdout>: ..."
-    return re.sub(r"^\[1,\d+\]<stdout>: ", "", job.stdout, flags=re.M), seconds
+    return re.sub(r"^\[1,\d+\]<stdout>: ", "", job.stdout.decode(), flags=re.M)
+
+
+def progress_bar_pieces(job):
+    """The pieces of the ranks' progress-bar lines on stderr that show
+    something, as tagged."""
+    return [piece for line in job.stderr.decode().split("\n") if "epoch" in line
+            for piece in line.split("\r")
+            if re.sub(r"^\[1,\d+\]<stderr>: ", "", piece).strip()]
+
+
+def assert_one_bar_on_rank_0(job, epochs):
+    pieces = progress_bar_pieces(job)
+    assert pieces and all(piece.startswith("[1,0]<stderr>: ") for piece in pieces), pieces
+    assert pieces[0].startswith("[1,0]<stderr>:   0%|"), pieces      # no empty bar first
+    assert f"| {epochs}/{epochs} [" in pieces[-1], pieces
 
 
 def final_accuracy(stdout):
@@ -39,9 +65,10 @@ def final_accuracy(stdout):
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_pytorch_digits(nprocs):
-    stdout, seconds = run_example(nprocs, "pytorch_digits.py")
-    assert final_accuracy(stdout) >= 0.9
+    job, seconds = launch_example(nprocs, "pytorch_digits.py")
+    assert final_accuracy(untagged_stdout(job)) >= 0.9
     assert seconds < TWO_MINUTES
+    assert_one_bar_on_rank_0(job, 15)
 
 
 def test_pytorch_sharded_digits(tmp_path):
@@ -85,9 +112,10 @@ def test_pytorch_amp_digits_in_bfloat16_and_the_float16_grad_scaler_recipe():
 
 
 def test_keras_digits():
-    stdout, seconds = run_example(2, "keras_digits.py")
-    assert final_accuracy(stdout) >= 0.9
+    job, seconds = launch_example(2, "keras_digits.py")
+    assert final_accuracy(untagged_stdout(job)) >= 0.9
     assert seconds < TWO_MINUTES
+    assert_one_bar_on_rank_0(job, 15)
 
 
 def test_keras_mixed_precision_digits_runs_its_recipe():

@@ -156,6 +156,36 @@ def test_horovods_tf2_elastic_example_runs_with_only_its_import_changed():
     assert all(np.array_equal(kernels[0], kernel) for kernel in kernels)
 
 
+WARMUP_SCRIPT = """
+import keras, numpy as np
+import mpitrain.tensorflow.keras as hvd
+hvd.init()
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+              loss="mse")
+warmup = hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1, verbose=1)
+model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, epochs=1, verbose=0,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), warmup])
+"""
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_the_callbacks_messages_come_once_from_rank_0(nprocs, tmp_path):
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "warmup.py"
+    script.write_text(WARMUP_SCRIPT)
+    job = subprocess.run([os.path.join(VENV_BIN, "mpitrainrun"), "-np", str(nprocs),
+                          sys.executable, str(script)], cwd=ROOT, env=job_environment(TF_ENV),
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr
+    finished = [line for line in job.stdout.splitlines() if "learning rate warmup" in line]
+    assert finished == ["[1,0]<stdout>: Epoch 1: finished gradual learning rate warmup "
+                        "to 0.1."], job.stdout
+    skipped = [line for line in job.stderr.splitlines()
+               if "momentum_correction is skipped" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("[1,0]<stderr>: "), job.stderr
+
+
 NOTICES = ("import sys\n"
            "sys.stderr.write('WARNING: All log messages before absl::InitializeLog() "
            "is called are written to STDERR\\n')\n"

@@ -155,11 +155,12 @@ class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
             self.momentum_to_restore = float(momentum.numpy())
             momentum.assign(self.momentum_to_restore * ratio)
         elif momentum and ratio != 1.0:
-            warnings.warn(
-                f"{type(self).__name__}: momentum_correction is skipped, because "
-                f"{type(self.model.optimizer).__name__} keeps momentum as a constant "
-                "in its compiled step; pass momentum_correction=False to silence this",
-                stacklevel=2)
+            if mt.rank() == 0:          # the same on every rank: say it once
+                warnings.warn(
+                    f"{type(self).__name__}: momentum_correction is skipped, because "
+                    f"{type(self.model.optimizer).__name__} keeps momentum as a "
+                    "constant in its compiled step; pass momentum_correction=False "
+                    "to silence this", stacklevel=2)
             self.momentum_correction = False
 
 
@@ -168,7 +169,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     lr(e) = initial_lr / size * (e * (size - 1) / warmup_epochs + 1) at the
     fractional epoch e counted at the end of each batch, so the last batch of
-    the warmup trains at initial_lr.
+    the warmup trains at initial_lr. With verbose=1, rank 0 says when the
+    warmup has finished, as Horovod's does.
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True,
@@ -183,7 +185,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if self.verbose and epoch == self.end_epoch - 1:
+        if self.verbose and epoch == self.end_epoch - 1 and mt.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_lr_variable(self.model.optimizer).numpy():g}.")
 
