@@ -135,6 +135,26 @@ def test_the_security_page_names_every_public_call_that_unpickles_other_ranks_ob
     assert not [name for name in found if f"`{name}`" not in text]
 
 
+def test_no_page_calls_a_module_that_exists_not_provided():
+    said = []
+    for page in COMMAND_PAGES:
+        text = open(os.path.join(ROOT, page)).read()
+        # From "not provided" to the end of its clause or table cell.
+        for claim in re.finditer(r"not provided(?:[^.|;]|\.(?=\S))*", text, re.I):
+            said += [(page, name) for name in re.findall(r"`(mpitrain(?:\.\w+)+)`",
+                                                         claim.group())]
+    existing = [f"{page}: {name}" for page, name in said if module_exists(name)]
+    assert not existing, "pages call these modules not provided: " + ", ".join(existing)
+
+
+def module_exists(name):
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
 # The shell commands of the README and the docs, as a user copies them into a
 # shell that has not activated the environment, from the repository root.
 COMMAND_PAGES = ["README.md"] + sorted(
