@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -166,6 +167,34 @@ def test_bad_period_and_warmup_are_refused():
         hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
 
 
+@mpi_test()
+def test_settings_that_differ_between_ranks_fail_every_rank_at_construction():
+    """A period or warm-up of its own on rank 1 paired averages of different
+    steps, and the last average waited for the stall shutdown."""
+    r = hvd.rank()
+    others = "ranks 0, 2" if hvd.size() == 3 else "rank 0"
+    for setting, usual, other in (("period", 4, 2), ("warmup_steps", 0, 1),
+                                  ("average_optimizer_state", False, True)):
+        model = make_model()
+        with pytest.raises(hvd.MismatchError) as caught:
+            hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  **{setting: other if r == 1 else usual})
+        assert str(caught.value) == (
+            f"LocalSGDOptimizer: {setting} differs between ranks ({others}: {usual}; "
+            f"rank 1: {other}): every rank must use the same")
+    model = make_model()
+    with pytest.raises(ValueError) as caught:           # a bad period on rank 1 alone
+        hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              period=0 if r == 1 else 4)
+    assert str(caught.value).startswith(
+        "period must be" if r == 1 else
+        "LocalSGDOptimizer failed on rank 1: ValueError: period must be")
+    optimizer = hvd.LocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), period=1,
+                                      overlap_averaging=False)
+    local_step(model, optimizer, 0)                     # the same everywhere: works
+    assert identical_across_ranks(model)
+
+
 @mpi_test(env=TF_ENV, timeout=180)
 def test_keras_callback_averages_independent_trainings_every_period_after_warmup():
     tf, keras, hvd_keras = keras_modules()
@@ -212,3 +241,7 @@ def test_keras_callback_averages_independent_trainings_every_period_after_warmup
     with pytest.raises(ValueError, match="compile with the plain optimizer"):
         fit(1, hvd_keras.callbacks.LocalSGDCallback(2),
             optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    others = "ranks 0, 2" if hvd.size() == 3 else "rank 0"
+    with pytest.raises(hvd.MismatchError, match=re.escape(
+            f"LocalSGDCallback: period differs between ranks ({others}: 3; rank 1: 2)")):
+        fit(1, hvd_keras.callbacks.LocalSGDCallback(2 if hvd.rank() == 1 else 3))

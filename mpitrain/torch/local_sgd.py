@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from mpitrain.api.agreement import require_same
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.torch.ops import grouped_allreduce_async_
@@ -25,6 +26,7 @@ from mpitrain.torch.optimizer import DistributedOptimizer, _DistributedOptimizer
 from mpitrain.torch.wrapping import mixed_in
 
 AVERAGE_NAME = "LocalSGDOptimizer.average"
+SETTINGS_NAME = "LocalSGDOptimizer.settings"
 
 
 class _LocalSGD(_DistributedOptimizer):
@@ -151,8 +153,33 @@ def LocalSGDOptimizer(optimizer, named_parameters=None, period=4, warmup_steps=0
     process_set: the ranks that average.
 
     Call ``average_parameters()`` on every rank before evaluating or saving
-    to make the ranks' parameters identical.
+    to make the ranks' parameters identical. Every rank of the set builds it
+    with the same period, warmup_steps, average_optimizer_state and
+    overlap_averaging; otherwise each raises a MismatchError naming them.
     """
+    problem = None
+    try:
+        _check_arguments(period, warmup_steps, options)
+    except ValueError as error:
+        problem = error
+    if process_set.included():
+        # Ranks that average at different steps pair averages of different
+        # steps, and the last one waits forever: every rank must agree.
+        require_same("LocalSGDOptimizer", {
+            "period": period, "warmup_steps": warmup_steps,
+            "average_optimizer_state": average_optimizer_state,
+            "overlap_averaging": overlap_averaging}, SETTINGS_NAME, process_set, problem)
+    elif problem:
+        raise problem
+    distributed = DistributedOptimizer(optimizer, named_parameters,
+                                       process_set=process_set, **options)
+    distributed.__class__ = mixed_in(_LocalSGD, type(distributed))
+    distributed._start_local_sgd(period, warmup_steps, average_optimizer_state,
+                                 overlap_averaging)
+    return distributed
+
+
+def _check_arguments(period, warmup_steps, options):
     if isinstance(period, bool) or not isinstance(period, int) or period < 1:
         raise ValueError(f"period must be a whole number >= 1, got {period!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
@@ -161,9 +188,3 @@ def LocalSGDOptimizer(optimizer, named_parameters=None, period=4, warmup_steps=0
     if resolve_op(options.get("op", Average), None) == Adasum:
         raise ValueError("LocalSGDOptimizer averages parameters and cannot take "
                          "op=Adasum; use DistributedOptimizer(op=Adasum) instead")
-    distributed = DistributedOptimizer(optimizer, named_parameters,
-                                       process_set=process_set, **options)
-    distributed.__class__ = mixed_in(_LocalSGD, type(distributed))
-    distributed._start_local_sgd(period, warmup_steps, average_optimizer_state,
-                                 overlap_averaging)
-    return distributed

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import mpitrain as mt
 from mpitrain import horovod_names
+from mpitrain.api.agreement import require_same
 from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import (broadcast_compression_state,
                                                  optimizer_variables)
@@ -230,11 +231,18 @@ class LocalSGDCallback(tf.keras.callbacks.Callback):
         self.batches = 0
 
     def on_train_begin(self, logs=None):
+        problem = None
         if getattr(self.model.optimizer, "_mpitrain_distributed", False):
-            raise ValueError(
+            problem = ValueError(
                 "LocalSGDCallback averages the weights every period batches, but "
                 "the model's optimizer is a DistributedOptimizer, which averages "
                 "the gradients of every batch: compile with the plain optimizer")
+        # Ranks that average after different batches pair the averages of
+        # different batches, and the last one waits forever.
+        require_same("LocalSGDCallback", {
+            "period": self.period, "warmup_batches": self.warmup_batches,
+            "average_optimizer_state": self.average_optimizer_state},
+            "LocalSGDCallback.settings", problem=problem)
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches += 1
