@@ -3,6 +3,7 @@
 import io
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ def test_parameters_of_several_dtypes_and_frozen_ones():
         train_step(reference, plain, step)
         assert_same_parameters(model, reference)
         assert_identical_across_ranks(model)
-    assert_same_state(sharded.state_dict(), plain.state_dict())
+    assert_same_state(sharded.full_state_dict(), plain.state_dict())
     assert_same_parameters(model.frozen, MixedModel().frozen)
 
 
@@ -151,7 +152,7 @@ def test_state_dict_is_the_plain_optimizers_and_loads_back():
     for step in range(3):
         train_step(model, sharded, step)
         train_step(reference, plain, step)
-    state = sharded.state_dict()
+    state = sharded.full_state_dict()
     assert_same_state(state, plain.state_dict())
     torch.optim.AdamW(make_model(3).parameters()).load_state_dict(state)
 
@@ -170,15 +171,18 @@ def test_consolidate_state_dict_gathers_on_one_rank_until_the_next_step():
     sharded = hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1,
                                    momentum=0.9)
     train_step(model, sharded, 0)
-    everywhere = sharded.state_dict()
+    everywhere = sharded.full_state_dict()
+    assert len(everywhere["state"]) == len(list(model.parameters()))
     sharded.consolidate_state_dict(to=1)
     if hvd.rank() == 1:
         assert_same_state(sharded.state_dict(), everywhere)
     else:
-        with pytest.raises(RuntimeError, match="consolidated on rank 1"):
+        with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(to=1\) gathered "
+                                               r"it on rank 1"):
             sharded.state_dict()
     train_step(model, sharded, 1)
-    assert len(sharded.state_dict()["state"]) == len(list(model.parameters()))
+    with pytest.raises(RuntimeError, match="not gathered since the last step"):
+        sharded.state_dict()
 
 
 @mpi_test(np=(2, 3))
@@ -213,12 +217,12 @@ def test_save_and_load_checkpoint_resume_the_whole_state():
     for step in range(2):
         train_step(model, sharded, step)
     hvd.save_checkpoint(path, model, sharded, step=2)
-    expected = sharded.state_dict()              # collective again after the save
+    expected = sharded.full_state_dict()
 
     resumed_model = make_model(3)
     resumed = hvd.ShardedOptimizer(torch.optim.AdamW, resumed_model.parameters(), lr=0.5)
     assert hvd.load_checkpoint(path, resumed_model, resumed) == {"step": 2}
-    assert_same_state(resumed.state_dict(), expected)
+    assert_same_state(resumed.full_state_dict(), expected)
     if hvd.rank() == 0:
         saved = torch.load(io.BytesIO(read_payload(path)), weights_only=True)
         torch.optim.AdamW(make_model(3).parameters()).load_state_dict(saved["optimizer"])
@@ -243,12 +247,91 @@ def test_an_elastic_torch_state_commits_and_restores_it():
     state = hvd.elastic.TorchState(model, sharded)
     train_step(model, sharded, 0)
     state.commit()
-    committed = sharded.state_dict()
+    committed = sharded.full_state_dict()
     parameters = [p.detach().clone() for p in model.parameters()]
     for step in range(1, 3):
         train_step(model, sharded, step)
     state.restore()
     state.sync()
-    assert_same_state(sharded.state_dict(), committed)
+    assert_same_state(sharded.full_state_dict(), committed)
     for p, q in zip(model.parameters(), parameters):
         assert torch.equal(p, q)
+
+
+@mpi_test(np=(2, 3))
+def test_state_dict_on_rank_0_alone_raises_at_once_saying_what_to_call():
+    """Horovod's checkpoint pattern, `if hvd.rank() == 0: opt.state_dict()`,
+    waited for the stall shutdown: the other ranks never send their shares."""
+    model = make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    train_step(model, sharded, 0)
+    if hvd.rank() == 0:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"each of the \d ranks holds a share of the "
+                                               r"state.*Call optimizer\.consolidate_state"
+                                               r"_dict\(to=0\) on every rank first, then "
+                                               r"state_dict\(\) on rank 0"):
+            sharded.state_dict()
+        assert time.monotonic() - started < 1
+    sharded.consolidate_state_dict(to=0)
+    if hvd.rank() == 0:
+        saved = sharded.state_dict()
+        assert len(saved["state"]) == len(list(model.parameters()))
+    train_step(model, sharded, 1)
+
+
+@mpi_test(np=(2, 3))
+def test_load_state_dict_refuses_a_state_of_other_shapes_on_every_rank():
+    other = make_model(3, width=9)
+    plain = torch.optim.AdamW(other.parameters(), lr=0.01)
+    other(torch.zeros(1, 6)).sum().backward()
+    plain.step()
+    model = make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(8, 6\), but its state "
+                                         r"'exp_avg' in the state to load has shape "
+                                         r"\(9, 6\): the state is of another model"):
+        sharded.load_state_dict(plain.state_dict())
+    train_step(model, sharded, 0)                 # nothing was loaded
+    assert_identical_across_ranks(model)
+
+
+@mpi_test(np=(2, 3))
+def test_a_local_update_that_fails_on_its_rank_fails_the_step_on_every_rank():
+    """The owner of parameter 0 steps with moments of a wrong shape (flat,
+    which load_state_dict leaves to the step); the other ranks waited for
+    its parameters in the allgather until the stall shutdown."""
+    model = make_model(3)
+    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
+    train_step(model, sharded, 0)
+    state = sharded.full_state_dict()
+    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].reshape(-1)
+    sharded.load_state_dict(state)
+    with pytest.raises(hvd.HorovodInternalError,
+                       match=r"allgather of 'ShardedOptimizer\.parameters.* failed on rank "
+                             r"\d: ShardedOptimizer\.step\(\) raised RuntimeError"):
+        train_step(model, sharded, 1)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.the.failed.step") == \
+        hvd.size()
+
+
+@mpi_test(np=(2, 3))
+def test_options_that_differ_between_ranks_fail_on_every_rank():
+    """With lr=0 on one rank, the parameters it owns never trained, silently."""
+    model = make_model(3)
+    lr = 0.0 if hvd.rank() == 1 else 0.1
+    with pytest.raises(hvd.MismatchError, match=r"ShardedOptimizer: option 'lr' of "
+                                                r"parameter group 0 differs between ranks "
+                                                r"\(ranks? [02, ]+: 0\.1; rank 1: 0\.0\)"):
+        hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=lr)
+    betas = (0.9, 0.99 if hvd.rank() == 1 else 0.999)
+    with pytest.raises(hvd.MismatchError, match=r"option 'betas' of parameter group 1 "
+                                                r"differs.*rank 1: \(0\.9, 0\.99\)"):
+        hvd.ShardedOptimizer(torch.optim.Adam, [
+            {"params": model[0].parameters()},
+            {"params": model[1].parameters(), "betas": betas}], lr=0.01)
+    refused = -1.0 if hvd.rank() == 1 else 0.1     # torch refuses it on rank 1 only
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+        hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=refused)
+    sharded = hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1)
+    train_step(model, sharded, 0)

@@ -16,6 +16,7 @@ from mpitrain.api.elastic import State, run
 from mpitrain.api.objects import allgather_object, broadcast_object
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.optimizer import _DistributedOptimizer
+from mpitrain.torch.sharded_optimizer import state_everywhere
 
 __all__ = ["ElasticSampler", "State", "TorchState", "run"]
 
@@ -81,7 +82,7 @@ class _OptimizerHandler:
         self.optimizer = optimizer
 
     def save(self):
-        self.saved = copy.deepcopy(self.optimizer.state_dict())
+        self.saved = copy.deepcopy(state_everywhere(self.optimizer))
 
     def restore(self):
         self.optimizer.load_state_dict(copy.deepcopy(self.saved))

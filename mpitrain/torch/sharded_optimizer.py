@@ -18,12 +18,17 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from mpitrain.api import basics
+from mpitrain.api import array_ops, basics
+from mpitrain.api.agreement import require_same
 from mpitrain.api.objects import allgather_object
+from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine.handles import synchronize
-from mpitrain.ops import Average
+from mpitrain.ops import Average, OpType
 from mpitrain.torch.ops import (alltoall_async, grouped_allgather_async,
                                 grouped_reducescatter_async)
+
+
+GRADIENTS, PARAMETERS = "ShardedOptimizer.gradients", "ShardedOptimizer.parameters"
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -35,10 +40,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     changes a group's options (an LR scheduler) reaches the local optimizer
     at the next step(). ``state`` holds only this rank's parameters' state.
 
-    state_dict() is collective: every rank calls it and gets the full state,
-    in the format of ``optimizer_class``'s own state_dict. After
-    consolidate_state_dict(to=r), only rank r may call it, and gets the
-    state gathered there, until the next step().
+    As with torch's ZeroRedundancyOptimizer, state_dict() returns the full
+    state, in the format of ``optimizer_class``'s own state_dict, on the
+    rank that consolidate_state_dict(to=r) gathered it on, until the next
+    step(); anywhere else it raises at once, saying what to call: a rank
+    that waited alone for the others' shards would wait forever.
+    full_state_dict() gives it to every rank (every rank calls it).
     """
 
     def __init__(self, optimizer_class, params, **defaults):
@@ -48,9 +55,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _check_same_everywhere(everything, groups)
         trained = [p for p in everything if p.requires_grad]
         owner = _owners(trained, self._size)
-        self._local = optimizer_class(
-            [{**group, "params": [p for p in group["params"] if owner.get(p) == self._rank]}
-             for group in groups], **defaults)
+        try:
+            self._local, problem = optimizer_class(
+                [{**group, "params": [p for p in group["params"]
+                                      if owner.get(p) == self._rank]}
+                 for group in groups], **defaults), None
+        except Exception as error:    # an option refused here fails every rank
+            self._local, problem = None, error
+        _check_same_options(self._local, problem)
         # The global groups take every option the local optimizer filled in.
         super().__init__([{**local, "params": group["params"]}
                           for local, group in zip(self._local.param_groups, groups)],
@@ -72,23 +84,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizers that evaluate it several times per step (LBFGS) are not
         supported.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         for group, local in zip(self.param_groups, self._local.param_groups):
             local.update(_options(group))
-        # Alone, a rank's gradients are their own average and it owns everything.
-        exchange = self._size > 1 and self._layouts
-        if exchange:
-            self._average_gradients()
-        self._local.step()
-        if exchange:
-            self._share_parameters()
         self._consolidated_on, self._consolidated = None, None
+        # Alone, a rank's gradients are their own average and it owns everything.
+        if self._size == 1 or not self._layouts:
+            loss = _loss(closure)
+            self._local.step()
+            return loss
+        loss, flats = self._for_every_rank(OpType.REDUCESCATTER, GRADIENTS, lambda: (
+            _loss(closure), self._flat_gradients()))
+        self._take_averages(synchronize(grouped_reducescatter_async(
+            flats, name=GRADIENTS, op=Average)))
+        segments = self._for_every_rank(OpType.ALLGATHER, PARAMETERS, self._update)
+        self._take_parameters(synchronize(grouped_allgather_async(segments,
+                                                                  name=PARAMETERS)))
         return loss
 
-    def _average_gradients(self):
+    def _for_every_rank(self, kind, name, work):
+        """work()'s result. Where it raises on this rank, the collective
+        ``name`` that comes next fails on every rank with its error, instead
+        of leaving the other ranks waiting in it for this one."""
+        try:
+            return work()
+        except Exception as error:
+            array_ops.fail(kind, name, global_process_set, "value",
+                           f"ShardedOptimizer.step() raised {type(error).__name__}: "
+                           f"{error}", count=len(self._layouts))
+
+    def _flat_gradients(self):
         flats = []
         for layout in self._layouts:
             flat = torch.zeros(self._size * layout.segment, dtype=layout.dtype,
@@ -98,8 +122,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
                     flat[start:start + p.numel()].copy_(grad.reshape(-1))
             flats.append(flat)
-        shards = synchronize(grouped_reducescatter_async(
-            flats, name="ShardedOptimizer.gradients", op=Average))
+        return flats
+
+    def _take_averages(self, shards):
         for layout, shard in zip(self._layouts, shards):
             for p, start in layout.mine:
                 averaged = shard[start:start + p.numel()].view_as(p)
@@ -108,16 +133,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.copy_(averaged)
 
-    @torch.no_grad()
-    def _share_parameters(self):
+    def _update(self):
+        """Step the local optimizer; this rank's updated parameters, a segment per dtype."""
+        self._local.step()
         segments = []
-        for layout in self._layouts:
-            segment = torch.zeros(layout.segment, dtype=layout.dtype, device=layout.device)
-            for p, start in layout.mine:
-                segment[start:start + p.numel()].copy_(p.reshape(-1))
-            segments.append(segment)
-        gathered = synchronize(grouped_allgather_async(
-            segments, name="ShardedOptimizer.parameters"))
+        with torch.no_grad():
+            for layout in self._layouts:
+                segment = torch.zeros(layout.segment, dtype=layout.dtype,
+                                      device=layout.device)
+                for p, start in layout.mine:
+                    segment[start:start + p.numel()].copy_(p.reshape(-1))
+                segments.append(segment)
+        return segments
+
+    @torch.no_grad()
+    def _take_parameters(self, gathered):
         for layout, flat in zip(self._layouts, gathered):
             for p, start in layout.theirs:
                 p.copy_(flat[start:start + p.numel()].view_as(p))
@@ -149,19 +179,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated_on, self._consolidated = to, state
 
     def state_dict(self):
-        """The full state; collective unless consolidate_state_dict came first."""
-        to, state = self._consolidated_on, self._consolidated
-        if to is None:
-            state = {}
-            for shard in allgather_object(self._shard_state(),
-                                          "ShardedOptimizer.state_dict"):
-                state.update(shard)
-        elif self._rank != to:
+        """The full state, where consolidate_state_dict gathered it; it does
+        not communicate."""
+        if self._size == 1:
+            return self._full(self._shard_state())
+        to, me = self._consolidated_on, self._rank
+        if to != me:
+            where = ("it was not gathered since the last step()" if to is None else
+                     f"consolidate_state_dict(to={to}) gathered it on rank {to}, which "
+                     "alone has it until the next step()")
             raise RuntimeError(
-                f"ShardedOptimizer.state_dict() on rank {self._rank}: the state was "
-                f"consolidated on rank {to} by consolidate_state_dict(to={to}), so "
-                f"only rank {to} has it until the next step(); call state_dict() "
-                f"there, or on every rank after a step()")
+                f"ShardedOptimizer.state_dict() on rank {me}: each of the {self._size} "
+                f"ranks holds a share of the state, and {where}. Call "
+                f"optimizer.consolidate_state_dict(to={me}) on every rank first, then "
+                f"state_dict() on rank {me} (as with torch's ZeroRedundancyOptimizer); "
+                "or hvd.save_checkpoint(path, model, optimizer) on every rank, which "
+                "does both; or optimizer.full_state_dict() on every rank, to have the "
+                "state on each")
+        return self._full(self._consolidated)
+
+    def full_state_dict(self):
+        """The full state on every rank: every rank calls this."""
+        state = {}
+        for shard in allgather_object(self._shard_state(), "ShardedOptimizer.state_dict"):
+            state.update(shard)
+        return self._full(state)
+
+    def _full(self, state):
+        """The state_dict of ``optimizer_class`` with ``state`` by parameter index."""
         return {"state": dict(sorted(state.items())),
                 "param_groups": [
                     {**_options(group), "params": [self._index[p] for p in group["params"]]}
@@ -185,9 +230,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in groups]} parameters, this optimizer "
                 f"{[len(g['params']) for g in self.param_groups]}")
         order = [i for group in groups for i in group["params"]]
-        position = {saved: self._index[p] for saved, p in zip(
-            order, (p for group in self.param_groups for p in group["params"]))}
+        parameters = [p for group in self.param_groups for p in group["params"]]
+        position = {saved: self._index[p] for saved, p in zip(order, parameters)}
         state = {position[i]: value for i, value in state_dict["state"].items()}
+        _check_shapes(state, parameters)
         local_index = {p: i for i, p in enumerate(
             p for group in self._local.param_groups for p in group["params"])}
         self._local.load_state_dict({
@@ -216,7 +262,7 @@ def state_on_one_rank(optimizer, rank):
 
     For helpers that read the state on one rank (save_checkpoint): a
     ShardedOptimizer's is gathered there, unless it already was, and
-    state_dict() is collective again afterwards. Every rank enters it.
+    state_dict() raises there again afterwards. Every rank enters it.
     """
     if not isinstance(optimizer, ShardedOptimizer) or optimizer._consolidated_on == rank:
         yield
@@ -226,6 +272,22 @@ def state_on_one_rank(optimizer, rank):
         yield
     finally:
         optimizer._consolidated_on, optimizer._consolidated = None, None
+
+
+def state_everywhere(optimizer):
+    """``optimizer``'s full state_dict on every rank, which every rank asks for:
+    a ShardedOptimizer's is gathered from its shards."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.full_state_dict()
+    return optimizer.state_dict()
+
+
+def _loss(closure):
+    """The closure's loss, None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _options(group):
@@ -273,6 +335,48 @@ def _check_same_everywhere(parameters, groups):
             f"ShardedOptimizer: ranks {differ} have other parameters than rank 0 "
             f"(rank 0 has {_entry(ours, first)}, rank {differ[0]} has "
             f"{_entry(theirs, first)}); every rank must build the same model")
+
+
+def _check_shapes(state, parameters):
+    """Refuse, on every rank alike, a state whose tensors cannot be the state
+    of these parameters: the step of the one rank that owns the parameter
+    would fail there alone. A state tensor with as many dimensions as its
+    parameter must match it, each dimension equal or 1 (Adafactor keeps
+    factors of ones); other tensors, scalars (step) among them, are left
+    to the step to judge."""
+    for index, values in sorted(state.items()):
+        p = parameters[index]
+        for key, value in values.items():
+            if torch.is_tensor(value) and value.dim() == p.dim() and value.dim() and any(
+                    have not in (want, 1) for have, want in zip(value.shape, p.shape)):
+                raise ValueError(
+                    f"ShardedOptimizer.load_state_dict: parameter {index} has shape "
+                    f"{tuple(p.shape)}, but its state {key!r} in the state to load has "
+                    f"shape {tuple(value.shape)}: the state is of another model, or "
+                    "of the parameters in another order. Nothing was loaded")
+
+
+def _check_same_options(local, problem):
+    """Raise a MismatchError on every rank unless the local optimizer's group
+    options (those given and the defaults filled in) are the same on every
+    rank: with lr=0 on one rank, the parameters that rank owns would
+    silently never train. problem: why this rank has no local optimizer."""
+    settings, labels = {}, {}
+    for number, group in enumerate([] if local is None else local.param_groups):
+        for key, value in _options(group).items():
+            settings[number, key] = _plain(value)
+            labels[number, key] = f"option {key!r} of parameter group {number}"
+    require_same("ShardedOptimizer", settings, "ShardedOptimizer.options", problem=problem,
+                 labels=labels)
+
+
+def _plain(value):
+    """An option as a value whose repr says it exactly (a tensor's rounds)."""
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(item) for item in value)
+    return value
 
 
 def _entry(entries, index):
