@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -551,3 +552,27 @@ def test_one_array_twice_in_one_grouped_in_place_call_fails_every_rank():
     twice_read = mt.grouped_allreduce([t, t], name="read.twice", op=mt.Sum)
     assert [list(x) for x in twice_read] == [[mt.size()] * 3] * 2   # reading twice: fine
     engine_still_works()
+
+
+@mpi_test()
+def test_int64_averages_are_exact_where_their_sum_overflows():
+    """[2**62 + rank] on 2 ranks averaged to -4611686018427387903: the sum
+    wrapped around in int64. Against Python's exact arithmetic."""
+    r, n = mt.rank(), mt.size()
+
+    def values(rank):
+        return [2 ** 62 + rank, 2 ** 63 - 1 - rank, -2 ** 63 + rank, -2 ** 62 - 3 * rank,
+                7 * rank - 5, -1 - rank]
+
+    sums = [sum(column) for column in zip(*(values(k) for k in range(n)))]
+    exact = [int(Fraction(total, n)) for total in sums]        # truncated toward zero
+    mine = np.array(values(r), np.int64)
+    assert mt.allreduce(mine, name="int64.alone").tolist() == exact
+    flipped = mine[::-1].copy()
+    fused = mt.grouped_allreduce([mine, flipped], name="int64.fused")
+    assert [f.tolist() for f in fused] == [exact, exact[::-1]]
+    assert mt.reducescatter(np.tile(mine, (n, 1)), name="int64.rows").tolist() == [exact]
+    halved = mt.allreduce(np.array([2 ** 62 + r], np.int64), postscale_factor=0.5,
+                          name="int64.halved")
+    assert halved.tolist() == [int(Fraction(sum(2 ** 62 + k for k in range(n)), 2 * n))]
+

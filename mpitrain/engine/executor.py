@@ -18,6 +18,7 @@ import types
 import numpy as np
 
 from mpitrain.backends import arrays, dtypes
+from mpitrain.engine import scaling
 from mpitrain.engine.recycled import RecycledBuffers
 from mpitrain.engine.streaming import Stream, flat, streams
 from mpitrain.errors import GpuError
@@ -217,12 +218,14 @@ class Executor:
         entry = members[0]
         backend = self._backend(first, members)
         integer = self._integer_scaling(first, wire)
+        # int64 averages travel as quotients and remainders, twice the elements.
+        parts = 2 if scaling.splits(dtype, first.op, integer, self.channel.size) else 1
         if (len(members) == 1 and entry is not None and entry.dtype is dtype
-                and dtype.numpy == wire):
+                and dtype.numpy == wire and parts == 1):
             yield from self._allreduce_alone(choice, first, entry, factor, integer,
                                              backend)
             return
-        whole = self.buffers.get(wire, group.total, backend)
+        whole = self.buffers.get(wire, parts * group.total, backend)
         buffer = whole[:group.total]
         names = group.names
         sources = [None if member is None else member.input for member in members]
@@ -236,12 +239,18 @@ class Executor:
         yield from self._traced(names, "MEMCPY_IN_FUSION_BUFFER",
                                 _now(backend.pack, sources, group.counts, buffer,
                                      prescale))
+        reduced = whole[:parts * group.total]
+        if parts == 2:
+            scaling.split(buffer, self.channel.size, reduced[group.total:])
         yield from self._traced(names, "MPI_ALLREDUCE",
-                                self._reduce(choice, buffer, first.op, backend,
+                                self._reduce(choice, reduced, first.op, backend,
                                              counts=group.counts))
         if integer is not None:
             factor = 1.0
-            if integer != (1.0, 1):
+            if parts == 2:
+                scaling.combine(buffer, reduced[group.total:], self.channel.size,
+                                integer[0])
+            elif integer != (1.0, 1):
                 backend.scale_integers(buffer, *integer)
         done, views, outputs, offsets = [], [], [], []
         for response, member, view, start in zip(group.responses, members,
@@ -429,11 +438,21 @@ class Executor:
         arrays.scale_into(entry.input, response.prescale if integer is None else 1.0,
                           send.reshape(response.shape))
         received = np.empty(counts[self.channel.rank], dtype=wire)
+        size = self.channel.size
+        split = scaling.splits(dtype, response.op, integer, size)
+        if split:
+            remainders, remainders_received = np.empty_like(send), np.empty_like(received)
+            scaling.split(send, size, remainders)
+            yield from self.channel.reduce_scatter(remainders, remainders_received, counts,
+                                                   response.op)
         yield from self.channel.reduce_scatter(send, received, counts, response.op)
         output = arrays.empty((rows[self.channel.rank],) + response.shape[1:],
                               dtype.numpy)
         factor = self._scale_after(response)
-        if integer is not None:
+        if split:
+            scaling.combine(received, remainders_received, size, integer[0])
+            factor = 1.0
+        elif integer is not None:
             arrays.scale_integers(received, *integer)
             factor = 1.0
         arrays.scale_into(received.reshape(output.shape), factor, output)
