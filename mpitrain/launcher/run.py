@@ -145,7 +145,8 @@ def build_parser():
                              "Open MPI's own messages about how a job ended")
     parser.add_argument("-cb", "--check-build", action="store_true",
                         help="print which frameworks, MPI library and GPU support "
-                             "mpitrain finds here, and exit")
+                             "mpitrain finds here, and exit (it imports each "
+                             "framework: seconds)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpirun command instead of running it")
     parser.add_argument("command", nargs=argparse.REMAINDER,
