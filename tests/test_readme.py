@@ -60,3 +60,18 @@ def test_the_two_machine_command_gives_the_remote_ranks_this_environments_python
     assert "--host node1:4,node2:4" in mpirun_line
     # Remote ranks start with their own login PATH unless mpirun passes this one on.
     assert "-x PATH " in mpirun_line
+
+
+def test_the_readme_gives_the_suites_size_as_it_is():
+    # The time and memory the README states were measured on this many tests;
+    # once the suite has grown or shrunk by a quarter they are stale.
+    stated = int(re.search(r"(\d+) tests took about", open(os.path.join(ROOT, "README.md"))
+                           .read()).group(1))
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT, env=job_environment({"TF_CPP_MIN_LOG_LEVEL": "2"}), capture_output=True,
+        text=True, timeout=600)
+    count = int(re.search(r"^(\d+) tests collected", collected.stdout, re.M).group(1))
+    assert abs(count - stated) <= count / 4, (
+        f"the README gives the suite's time and memory for {stated} tests, but pytest "
+        f"collects {count}: measure the suite again and update the README")
