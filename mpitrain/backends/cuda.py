@@ -79,16 +79,21 @@ class Device:
         """Copy sources one after another into the 1-D ``out``, times factor.
 
         A source of None (a joined rank's share) contributes ``count`` zeros.
+        A strided source is read from a contiguous copy, held until the kernel
+        is queued: dropped sooner, CuPy's pool hands its memory to the next
+        copy or to the segment table, which the stream writes before the
+        kernel reads it (channels_last gradients came out as garbage so).
         """
         with self.active():
-            segments, start = [], 0
+            segments, held, start = [], [], 0
             for source, count in zip(sources, counts):
                 if source is None:
                     segments.append((0, start, start, kernels.SAME))
                 else:
-                    source = self._contiguous(source)
-                    segments.append((source.data.ptr, start, start,
-                                     kernels.code(source.dtype)))
+                    readable = self._contiguous(source)
+                    held.append(readable)
+                    segments.append((readable.data.ptr, start, start,
+                                     kernels.code(readable.dtype)))
                 start += count
             self._launch(self.kernels(out.dtype)[0], out, segments, start, factor)
 
