@@ -1,10 +1,16 @@
 """Torch tensors as arrays for the core, and results back as tensors.
 
 Tensors share memory with the arrays in both directions: nothing is copied
-here. torch hands bfloat16 neither to numpy nor, through DLPack, to every
-CuPy, so it travels as an int16 view that numpy or CuPy (14 and later)
-reinterprets as ml_dtypes.bfloat16.
+here. One function, as_array, converts CPU and CUDA tensors alike: the same
+checks, the same bfloat16 view, and arrays with the tensor's own shape,
+strides and offset (``Tensor.numpy()`` and DLPack into CuPy both keep them),
+so that what the CPU tests prove about layouts holds on the GPU too. torch
+hands bfloat16 neither to numpy nor, through DLPack, to every CuPy, so it
+travels as an int16 view that numpy or CuPy (14 and later) reinterprets as
+ml_dtypes.bfloat16.
 """
+
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +24,7 @@ SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 
 
 def as_array(tensor, what="tensor", writes=False):
-    """An array sharing ``tensor``'s memory; writes to it reach the tensor.
+    """An array sharing ``tensor``'s memory and layout; writes to it reach the tensor.
 
     CPU tensors become numpy arrays; CUDA tensors become CuPy arrays through
     DLPack, which orders CuPy's current stream after torch's. A tensor with
@@ -28,15 +34,8 @@ def as_array(tensor, what="tensor", writes=False):
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_neg():
-        if writes:
-            raise TypeError(f"{what} has its negative bit set (a lazy negation), so an "
-                            "in-place result cannot reach it; call .resolve_neg() on "
-                            "it first")
-        tensor = tensor.resolve_neg()
-    if tensor.device.type == "cuda" and arrays.cupy() is not None:
-        return _as_device_array(tensor.detach(), what)
-    if tensor.device.type != "cpu":
+    device = tensor.device.type
+    if device != "cpu" and (device != "cuda" or arrays.cupy() is None):
         raise TypeError(
             f"{what} is on device '{tensor.device}', but mpitrain cannot move "
             "tensors there here (mpitrain.torch.cuda_built() is False: install "
@@ -46,39 +45,53 @@ def as_array(tensor, what="tensor", writes=False):
         raise TypeError(
             f"{what} has layout {tensor.layout}; collectives take dense tensors "
             "(use sparse_allreduce_async for sparse COO tensors, or .to_dense())")
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(_BFLOAT16)
-    try:
-        return tensor.numpy()
-    except TypeError:
+    if tensor.dtype != torch.bfloat16 and not _has_an_array_type(tensor.dtype):
         names = ", ".join(str(t).replace("torch.", "") for t in SUPPORTED)
         raise TypeError(f"{what}: unsupported dtype {tensor.dtype}; mpitrain "
-                        f"supports {names}") from None
-
-
-def _as_device_array(tensor, what):
-    cupy = arrays.cupy()
+                        f"supports {names}")
+    if tensor.is_neg():
+        if writes:
+            raise TypeError(f"{what} has its negative bit set (a lazy negation), so an "
+                            "in-place result cannot reach it; call .resolve_neg() on "
+                            "it first")
+        tensor = tensor.resolve_neg()
+    tensor = tensor.detach()
     if tensor.dtype != torch.bfloat16:
-        return cupy.from_dlpack(tensor)
-    bits = cupy.from_dlpack(tensor.view(torch.int16))
+        return _shared(tensor, device)
+    bits = _shared(tensor.view(torch.int16), device)
     try:
         return bits.view(_BFLOAT16)
     except (TypeError, ValueError):
         raise TypeError(f"{what}: bfloat16 on a GPU needs CuPy 14 or later (this is "
-                        f"CuPy {cupy.__version__}); upgrade it, or use float16 or "
-                        "float32") from None
+                        f"CuPy {arrays.cupy().__version__}); upgrade it, or use "
+                        "float16 or float32") from None
+
+
+def _shared(tensor, device):
+    """The numpy (CPU) or CuPy (CUDA) array over ``tensor``'s memory, strides kept."""
+    if device == "cpu":
+        return tensor.numpy()
+    return arrays.cupy().from_dlpack(tensor)
+
+
+@functools.lru_cache(None)
+def _has_an_array_type(dtype):
+    """Does numpy, and so CuPy, have a type for tensors of ``dtype``? The
+    core refuses the ones it has but mpitrain does not reduce (bool, uint32),
+    alike on both devices."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return False
+    return True
 
 
 def as_tensor(array):
     """A tensor sharing ``array``'s memory (CuPy arrays stay on their GPU)."""
-    if arrays.of(array) not in (arrays.HOST, None):
-        if array.dtype == _BFLOAT16:
-            return torch.from_dlpack(array.view(np.int16)).view(torch.bfloat16)
-        return torch.from_dlpack(array)
-    if array.dtype == _BFLOAT16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    bits = array.view(np.int16) if array.dtype == _BFLOAT16 else array
+    tensor = (torch.from_numpy(bits) if arrays.of(bits) in (arrays.HOST, None)
+              else torch.from_dlpack(bits))
+    return tensor.view(torch.bfloat16) if bits is not array else tensor
 
 
 class TensorHandle:
