@@ -4,9 +4,9 @@ The engine reduces a gradient of ``fusion.ALONE_BYTES`` or more in its own
 memory, but packs smaller ones into a fusion buffer and unpacks them
 afterwards, and each one costs a request. A bucket (DDP's
 ``gradient_as_bucket_view``) keeps the gradients of many small parameters in
-one persistent 1-D tensor: ``p.grad`` is a view of it shaped like ``p``, so
-autograd accumulates into the bucket in place and the whole bucket travels
-as one in-place allreduce, with nothing to pack or unpack.
+one persistent 1-D tensor: ``p.grad`` is a view of it shaped and laid out
+like ``p``, so autograd accumulates into the bucket in place and the whole
+bucket travels as one in-place allreduce, with nothing to pack or unpack.
 """
 
 import torch
@@ -61,7 +61,11 @@ class Bucket:
                                 device=device)
         self._views, start = {}, 0
         for p in params:
-            self._views[p] = self.flat[start:start + p.numel()].view(p.shape)
+            # In p's own layout where it is dense (channels_last stays so), as
+            # DDP's bucket views: autograd then accumulates into it without a
+            # strided pass, and p.grad keeps the layout it had without buckets.
+            layout = torch.empty_like(p, device="meta").stride()
+            self._views[p] = self.flat.as_strided(p.shape, layout, start)
             start += p.numel()
 
     def __len__(self):
