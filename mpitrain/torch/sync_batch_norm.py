@@ -1,9 +1,9 @@
 """Batch normalization with statistics over the whole batch of every rank.
 
-Works on the CPU. Each rank sums its count, its values and its squared
-deviations per channel; one autograd-aware Sum allreduce combines them, so
-the backward pass sums the statistics' gradients across ranks as the exact
-derivative requires.
+Each rank sums its count, its values and its squared deviations per
+channel, on the input's device; one autograd-aware Sum allreduce combines
+them, so the backward pass sums the statistics' gradients across ranks as
+the exact derivative requires.
 """
 
 import torch
@@ -82,7 +82,8 @@ class SyncBatchNorm(_BatchNorm):
         local_mean = total / max(local_count, 1)
         sum_of_squares = (((values - local_mean.view(shape)) ** 2).sum(dims)
                           + total * local_mean)
-        count = torch.full((1,), float(local_count), dtype=torch.float64)
+        count = torch.full((1,), float(local_count), dtype=torch.float64,
+                           device=input.device)
         summed = allreduce(torch.cat([count, total, sum_of_squares]), op=Sum,
                            process_set=self.process_set)
         count = float(summed[0].detach())
