@@ -191,6 +191,12 @@ def _check(controller, handle):
     if not getattr(output.flags, "writeable", True) and not (kind == BROADCAST
                                            and handle.root == controller.rank):
         raise _Problem("value", "the output array is read-only")
+    if arrays.overlapping(output):
+        raise _Problem("value", f"the output (shape {output.shape}, strides "
+                                f"{output.strides} in bytes) has elements that share "
+                                "memory, as expand() and broadcast_to() make, so no "
+                                "result can be written into it; give a tensor of its "
+                                "own, such as .clone()")
 
 
 def _check_adasum(controller, handle):

@@ -169,6 +169,27 @@ def as_array(value):
     return np.asarray(value)
 
 
+def overlapping(array):
+    """May two elements of ``array`` (numpy or CuPy) share memory?
+
+    True for a stride of 0 (expand(), broadcast_to()), which one result
+    cannot be written into. Exact for every layout torch and CuPy make
+    (C order, channels_last, transposed, sliced, reversed): each dimension's
+    stride, smallest first, must step past all the smaller ones span; strides
+    that interleave without overlapping (only as_strided makes them) count
+    as overlapping too.
+    """
+    if array.flags.c_contiguous or array.size == 0:
+        return False
+    span = array.itemsize
+    for stride, count in sorted((abs(stride), count) for stride, count
+                                in zip(array.strides, array.shape) if count > 1):
+        if stride < span:
+            return True
+        span += stride * (count - 1)
+    return False
+
+
 @functools.lru_cache(None)
 def device(ordinal):
     from mpitrain.backends.cuda import Device
