@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -214,3 +215,15 @@ def test_tensorflows_start_up_notices_go_unless_info_lines_are_asked_for(level, 
     notices = [line for line in lines if "absl::InitializeLog" in line
                or "port.cc:153] oneDNN" in line]
     assert len(notices) == (4 if shown else 0), job.stderr
+
+
+def test_mpitrain_tensorflow_and_hvd_elastic_export_no_helper_modules():
+    # dir(hvd) and tab completion show a user the API, not the numpy that
+    # mpitrain's own code imports.
+    hvd = pytest.importorskip("mpitrain.tensorflow")
+    import mpitrain.tensorflow.elastic
+    for module in (hvd, mpitrain.tensorflow.elastic):
+        leaked = [name for name, value in vars(module).items()
+                  if not name.startswith("_") and isinstance(value, types.ModuleType)
+                  and not value.__name__.startswith("mpitrain.")]
+        assert not leaked, f"{module.__name__} exports {leaked}"
