@@ -576,3 +576,80 @@ def test_int64_averages_are_exact_where_their_sum_overflows():
                           name="int64.halved")
     assert halved.tolist() == [int(Fraction(sum(2 ** 62 + k for k in range(n)), 2 * n))]
 
+
+@mpi_test()
+def test_a_name_that_is_no_string_on_one_rank_fails_every_rank_at_once():
+    """A list as name= on rank 1 failed there at once, and the others waited
+    for the stall shutdown: the names differ, so nothing paired them up. Its
+    call now fails theirs, also where they hold that name in the cache. (A
+    barrier after each: rank 1, which caught its error, would otherwise run
+    ahead, and its next call under the others' name pairs with theirs.)"""
+    r = mt.rank()
+    x = np.ones(2)
+    mt.allreduce(x, name="cached")                        # a cache hit from now on
+    for name in ("fresh", "cached"):
+        with pytest.raises(TypeError) as caught:
+            mt.allreduce(x, name=[name] if r == 1 else name)
+        assert str(caught.value) == (
+            f"allreduce of '{[name]}' failed on rank 1: " if r == 1 else
+            f"allreduce of '{name}' failed on rank 1: ") + \
+            f"name must be a string, got list {[name]!r}"
+        mt.barrier()
+    with pytest.raises(TypeError, match=r"_0of2'.* failed on rank 1: name must be a "
+                                        r"string, got tuple \('group',\)"):
+        mt.grouped_allreduce([x, x], name=("group",) if r == 1 else "group")
+    mt.barrier()
+    assert mt.allreduce(x, op=mt.Sum, name="cached")[0] == mt.size()   # in step again
+    engine_still_works()
+
+
+@mpi_test(init=False)
+def test_once_unnamed_calls_stop_pairing_every_later_one_fails_naming_the_first():
+    """One unnamed call more on rank 1, caught: the next unnamed calls paired
+    rank 0's step 1 with rank 1's step 0 and summed values of two steps. An
+    engine of its own: the numbers stay stopped for good."""
+    mt.init()
+    try:
+        r, n = mt.rank(), mt.size()
+        got = []
+        for step in range(3):
+            if r == 1 and step == 0:
+                with pytest.raises(mt.MismatchError, match="mismatched places"):
+                    mt.allreduce(np.zeros(1), op=mt.Sum)          # one call more
+            try:
+                got.append(mt.allreduce(np.array([10.0 * step + r]), op=mt.Sum)[0])
+            except mt.MismatchError as error:
+                got.append(str(error))
+        assert all(isinstance(each, str) for each in got), got
+        first = "allreduce of 'allreduce.noname.0' failed: mismatched places in the program"
+        later = got if r == 1 else got[1:]
+        if r != 1:
+            assert got[0].startswith(first), got[0]
+        for message in later:
+            assert message.startswith(
+                "an unnamed allreduce on process set 0: unnamed allreduces no longer "
+                f"pair up since the first that did not: {first}"), message
+            assert message.endswith("Every later unnamed allreduce fails; pass name=... "
+                                    "to each call")
+        assert mt.allgather(np.array([r])).tolist() == list(range(n))  # other kinds: fine
+        engine_still_works()
+    finally:
+        mt.shutdown()
+
+
+@mpi_test(init=False)
+def test_unnamed_calls_pass_to_another_thread_once_the_first_has_ended():
+    """A worker thread that made unnamed calls and ended left the main thread
+    refused for the rest of the job ("its first came from thread 'warm-up'")."""
+    mt.init()
+    try:
+        n = mt.size()
+        seen = []
+        worker = threading.Thread(name="warm-up", target=lambda: seen.append(
+            mt.allreduce(np.ones(2), op=mt.Sum)[0]))
+        worker.start()
+        worker.join()
+        assert seen == [n]
+        assert mt.allreduce(np.ones(2), op=mt.Sum).tolist() == [n, n]
+    finally:
+        mt.shutdown()

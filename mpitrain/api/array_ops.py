@@ -102,7 +102,9 @@ def _checked_name(name):
 
     Names are strings; an unnamed call's (a naming.AutoName) knows where it
     was made. Another name still travels, as its str(), so that ranks that
-    gave that string fail with this rank's error instead of waiting for it.
+    gave that string fail with this rank's error; its request stands for the
+    call the other ranks make meanwhile under a name of their own (see
+    mpitrain.engine.refused), which fails too, instead of waiting for it.
     """
     if type(name) is str:
         return name, "", None
@@ -267,7 +269,8 @@ def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, ro
     name, site, bad_name = _checked_name(name)
     handle, problem = _prepare(controller, kind, array, name, op, prescale, postscale,
                                root, output, splits, average, site)
-    problem = bad_name or problem
+    if bad_name is not None:
+        handle.name_refused, problem = True, bad_name
     if problem is None:
         conflict = engine.enqueue(controller, handle)
         if conflict is not None:
@@ -290,6 +293,8 @@ def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
                 for member, array, output in zip(group_names(name, len(arrays)), arrays,
                                                  outputs)]
     if bad_name is not None:
+        for handle, _ in prepared:
+            handle.name_refused = True
         prepared = [(handle, bad_name) for handle, _ in prepared]
     return GroupHandle(_submit(engine, controller, prepared))
 

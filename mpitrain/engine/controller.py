@@ -7,7 +7,6 @@ Only when some rank has a request the cache cannot serve do the requests
 travel to the coordinator (rank 0 of the set) and responses come back.
 """
 
-import threading
 import time
 
 from mpi4py import MPI
@@ -39,6 +38,19 @@ SPIN = 50e-6             # seconds to test a fresh request before sleeping on it
 # published together, and a long round's every this many seconds.
 PUBLISH_EVERY = 5e-3
 STALL_RECHECK = 0.5      # seconds before asking again about ranks busy moving data
+
+
+def _slots_like(cache, entry):
+    """The cached responses of ``entry``'s kind and data type: one of them may
+    be the call that ``entry``, whose name its rank refused, stands for."""
+    mask = 0
+    if entry.dtype is None:
+        return mask                 # it fits no call (mpitrain.engine.refused)
+    for slot in cache.occupied():
+        response = cache.response(slot)
+        if response.kind == entry.kind and response.dtype == entry.dtype.code:
+            mask |= 1 << slot
+    return mask
 
 
 class EngineStopped(Exception):
@@ -86,8 +98,7 @@ class SetController:
         self._plans = {}              # (ready slots, cache generation) -> fusion plan
         self.joined = False
         self.any_joined = False
-        self.counters = {}            # automatic names: kind -> next number
-        self.naming_thread = None     # the one thread that makes unnamed calls
+        self.numbering = naming.Numbering(set_id)   # of unnamed calls, under engine.lock
         self.coroutine = None
         self.waiting_on = ()
         self.unfinished = 0           # of waiting_on
@@ -325,6 +336,8 @@ class SetController:
                     # The other ranks may hold the name as a cache hit and wait
                     # for this rank's bit: send them to the coordinator too.
                     invalid |= cache.slot_bit(entry.name)
+                    if entry.name_refused:      # their name for it is unknown here
+                        invalid |= _slots_like(cache, entry)
                 entry.state = QUEUED
                 uncached.append(entry)
                 continue
@@ -384,6 +397,10 @@ class SetController:
                     if name in entries:
                         self._fail(entries[name], GpuError(failed[id(group)]))
             elif kind == OpType.ERROR:
+                if response.numbering_stopped:
+                    with self.engine.lock:   # before the caller hears of the error
+                        self.numbering.stop(naming.numbered_kind(response.name),
+                                            response.error)
                 entry = entries.get(response.name)
                 if entry is not None:    # a joined rank submitted nothing
                     error_class = ERROR_CLASSES.get(response.error_kind,
@@ -467,14 +484,6 @@ class SetController:
         calls: two interleave differently on each rank.
         """
         site = naming.call_site()
-        thread = threading.current_thread()
         with self.engine.lock:
-            if self.naming_thread is None:
-                self.naming_thread = thread
-            elif self.naming_thread is not thread:
-                raise ValueError(naming.second_thread(kind, thread, self.naming_thread,
-                                                      self.set_id))
-            number = self.counters.get(kind, 0)
-            self.counters[kind] = number + 1
-        return naming.AutoName(f"{kind.label}.noname.{number}", site)
+            return self.numbering.take(kind, site)
 

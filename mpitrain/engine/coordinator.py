@@ -6,8 +6,12 @@ executes in the same order. A mismatch becomes an error response, so the
 operation fails on every rank instead of hanging.
 """
 
+import dataclasses
+
 from mpitrain.backends import dtypes
+from mpitrain.engine import naming
 from mpitrain.engine.messages import Response
+from mpitrain.engine.refused import RefusedNames
 from mpitrain.errors import RankNames
 from mpitrain.ops import OpType, ReduceOp
 
@@ -22,10 +26,13 @@ class Coordinator:
         self.first_seen = {}       # name -> monotonic time of the first request
         self.joined = set()
         self.last_joined_rank = -1
+        self.refused = RefusedNames()
+        self.unnamed_stopped = {}  # kind label -> the mismatch that ended its numbering
 
     def receive(self, requests_by_rank, now):
         """Take every rank's new requests; return the responses now ready."""
         ready = []
+        responses = []             # errors decided on the way
         join_changed = False
         for requests in requests_by_rank:
             for request in requests:
@@ -34,21 +41,38 @@ class Coordinator:
                     self.last_joined_rank = request.rank
                     join_changed = True
                     continue
+                stopped = request.site and self.unnamed_stopped.get(
+                    naming.numbered_kind(request.name))
+                if stopped:
+                    if not any(r.name == request.name for r in responses):
+                        responses.append(_stopped(request.name, request.kind, stopped))
+                    continue
                 ranks = self.table.setdefault(request.name, {})
                 ranks[request.rank] = request
                 seen = now - request.age
                 self.first_seen[request.name] = min(
                     self.first_seen.get(request.name, seen), seen)
-                if self._complete(ranks) and request.name not in ready:
-                    ready.append(request.name)
+                if self.refused:
+                    self.refused.note(request)
+                if request.name in ready:
+                    continue
+                if self._complete(ranks) or self._stood_in(request.name, responses):
+                    self._ready(request.name, ready, responses)
+                elif request.name_refused:
+                    self._stand_in(request, ready, responses)
         if join_changed:
-            ready.extend(name for name, ranks in self.table.items()
-                         if name not in ready and self._complete(ranks))
-        responses = []
+            for name, ranks in list(self.table.items()):
+                if name not in ready and self._complete(ranks):
+                    self._ready(name, ready, responses)
         for name in ready:
+            if name not in self.table:
+                continue           # failed by _stop_unnamed on the way
             self.first_seen.pop(name)
-            responses.append(build_response(name, self.table.pop(name), self.joined,
-                                            self.rank_names))
+            requests = self.table.pop(name)
+            response = build_response(name, requests, self.joined, self.rank_names)
+            responses.append(response)
+            if response.numbering_stopped:
+                responses += self._stop_unnamed(name, response.error)
         if len(self.joined) == self.size:
             responses.append(Response(OpType.JOIN, "join",
                                       last_joined_rank=self.last_joined_rank))
@@ -57,6 +81,71 @@ class Coordinator:
 
     def _complete(self, ranks):
         return len(ranks.keys() | self.joined) == self.size
+
+    def _ready(self, name, ready, responses):
+        """``name`` has every rank's request: its response is built this round.
+        Stand-ins among them, and those of ranks that made it after theirs,
+        can stand in for nothing else from now on."""
+        ready.append(name)
+        for lapsed in self.refused.paired(name, self.table[name]):
+            if lapsed.name not in ready:
+                self._retire(lapsed, responses)
+
+    # -- names a rank refused (see mpitrain.engine.refused) ----------------------
+
+    def _stand_in(self, request, ready, responses):
+        """Let a request whose name its rank refused fail the oldest waiting
+        call that it (with other ranks' stand-ins) completes, or keep it."""
+        self.refused.add(request)
+        for name, ranks in list(self.table.items()):
+            if (name in self.table and name not in ready and request.rank not in ranks
+                    and self._stood_in(name, responses)):
+                self._ready(name, ready, responses)
+                return
+
+    def _stood_in(self, name, responses):
+        """Do stand-ins of the ranks missing from ``name`` complete it? Then
+        they join its requests, carrying their ranks' errors."""
+        if not self.refused:
+            return False
+        ranks = self.table[name]
+        missing = set(range(self.size)) - ranks.keys() - self.joined
+        found = self.refused.stand_in(ranks, missing)
+        if found is None:
+            return False
+        for rank, stand_in in found.items():
+            self._retire(stand_in, responses)
+            ranks[rank] = dataclasses.replace(stand_in, name=name)
+        return True
+
+    def _retire(self, stand_in, responses):
+        """Fail the name a stand-in was submitted under, which no other rank
+        will submit, so that its rank's engine lets it go."""
+        requests = self.table.pop(stand_in.name, None)
+        if requests is None:
+            return
+        self.first_seen.pop(stand_in.name)
+        for request in requests.values():
+            self.refused.discard(request)
+        responses.append(build_response(stand_in.name, requests, self.joined,
+                                        self.rank_names))
+
+    # -- unnamed calls whose numbers went out of step (see mpitrain.engine.naming)
+
+    def _stop_unnamed(self, name, error):
+        """End the numbering of ``name``'s kind: its pending unnamed calls fail,
+        and every later one."""
+        label = naming.numbered_kind(name)
+        self.unnamed_stopped[label] = error
+        stopped = [pending for pending, ranks in self.table.items()
+                   if naming.numbered_kind(pending) == label
+                   and any(request.site for request in ranks.values())]
+        failed = []
+        for pending in stopped:
+            self.first_seen.pop(pending)
+            kind = next(iter(self.table.pop(pending).values())).kind
+            failed.append(_stopped(pending, kind, error))
+        return failed
 
     def waiting(self):
         """name -> (first seen, ranks that submitted) for every pending name."""
@@ -87,8 +176,11 @@ def build_response(name, requests, joined, rank_names):
         if what == _ROOTS:
             values = {rank: jobs[root] for rank, root in values.items()}
         values = describe_by_rank({jobs[rank]: value for rank, value in values.items()})
-        return _error(name, "mismatch", f"{label} failed: mismatched {what} across "
-                                        f"{rank_names.members}: {values}")
+        response = _error(name, "mismatch", f"{label} failed: mismatched {what} across "
+                                            f"{rank_names.members}: {values}")
+        # Numbers out of step stay so: the later unnamed calls of this kind fail.
+        response.numbering_stopped = what == _PLACES and bool(naming.numbered_kind(name))
+        return response
     if joined and first.kind not in _JOIN_ALLOWED:
         return _error(name, "value",
                       f"{label} failed: {first.kind.label} is not supported while "
@@ -112,6 +204,11 @@ def _error(name, kind, message):
     return Response(OpType.ERROR, name, error=message, error_kind=kind)
 
 
+def _stopped(name, kind, first_error):
+    return _error(name, "mismatch", f"{kind.label} of '{name}' failed: "
+                                    + naming.stopped(kind.label, first_error))
+
+
 def _dtype_name(code):
     return dtypes.BY_CODE[code].name
 
@@ -121,6 +218,8 @@ def _op_name(code):
 
 
 _ROOTS = "root ranks"        # of a broadcast: set ranks, which errors show in the job
+_PLACES = ("places in the program (unnamed calls pair up in the order each rank makes "
+           "them: name them, or make the same calls on every rank)")
 
 
 def _mismatch(ordered):
@@ -130,9 +229,7 @@ def _mismatch(ordered):
     if any(r.site for r in ordered):
         # Unnamed calls pair by their order: a different place in the program
         # means a rank made one call more or fewer before this one.
-        checks.append(("places in the program (unnamed calls pair up in the order "
-                       "each rank makes them: name them, or make the same calls on "
-                       "every rank)", lambda r: r.site))
+        checks.append((_PLACES, lambda r: r.site))
     if kind in (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST,
                 OpType.ALLTOALL, OpType.REDUCESCATTER):
         checks += [("data types", lambda r: _dtype_name(r.dtype)),

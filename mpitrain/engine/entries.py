@@ -34,7 +34,7 @@ class Handle:
                  "postscale", "root", "input", "output", "device", "ready", "splits",
                  "site", "signature", "claimed",
                  "enqueued", "state", "slot", "generation", "successor", "error",
-                 "error_kind", "ghost", "result", "error_raised", "_done")
+                 "error_kind", "ghost", "name_refused", "result", "error_raised", "_done")
 
     def __init__(self, name, kind, rank, dtype, shape, op=0, prescale=1.0,
                  postscale=1.0, root=-1, input=None, output=None, device=-1, site=""):
@@ -64,6 +64,7 @@ class Handle:
         self.error = ""                   # a local argument error, sent to the other ranks
         self.error_kind = ""
         self.ghost = False                # the caller already got the local error
+        self.name_refused = False         # its name was no string (see Request)
         self.result = None                # set by the engine, visible once done
         self.error_raised = None
         self._done = False
@@ -74,7 +75,7 @@ class Handle:
                        -1 if self.dtype is None else self.dtype.code, self.shape,
                        self.op, self.prescale, self.postscale, self.root,
                        self.error, self.error_kind, now - self.enqueued, self.device,
-                       self.site)
+                       self.site, self.name_refused)
 
     def done(self):
         return self._done

@@ -24,6 +24,7 @@ class Request:
     age: float = 0.0           # seconds between enqueue and sending
     device: int = -1           # -1: host memory; else the CUDA device
     site: str = ""             # an unnamed call's place in the program
+    name_refused: bool = False  # the name given was no string: stands for the others'
 
 
 @dataclasses.dataclass(slots=True)
@@ -43,3 +44,4 @@ class Response:
     extra: tuple = ()          # process-set changes: the ranks involved
     device: int = -1           # -1: host memory; 0: CUDA devices
     fusion: tuple = ()         # (fusion key, bytes), filled in once by fusion.plan
+    numbering_stopped: bool = False  # an error that ends its kind's unnamed calls
