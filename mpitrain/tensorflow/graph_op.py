@@ -10,6 +10,7 @@ in the same order, and a grouped call submits all its tensors at once.
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from mpitrain.tensorflow import session_graph
 from mpitrain.tensorflow.errors import as_tf_error
 from mpitrain.tensorflow.tensors import to_array, to_tensor
 
@@ -51,9 +52,12 @@ def run(body, inputs, output_dtypes, output_shapes, what):
             "compile. Use tf.function(jit_compile=False), or for Keras "
             "model.compile(..., jit_compile=False) (Keras picks jit_compile=True "
             "by itself when a GPU is present).")
-    outputs = tf.numpy_function(lambda *arrays: body(list(arrays)), list(inputs),
-                                list(output_dtypes), stateful=True,
-                                name=what.replace(" ", "_"))
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        outputs = tf.numpy_function(lambda *arrays: body(list(arrays)), list(inputs),
+                                    list(output_dtypes), stateful=True,
+                                    name=what.replace(" ", "_"))
+    else:       # a TF1 graph, whose session starts ops in any order
+        outputs = session_graph.run(body, inputs, output_dtypes, what.replace(" ", "_"))
     for output, shape in zip(outputs, output_shapes):
         output.set_shape(shape)
     return outputs

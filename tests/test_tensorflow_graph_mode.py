@@ -1,0 +1,64 @@
+"""Collectives in TF1 graphs run by a session, as Horovod's own tests run each
+test a second time: in any order the ranks' executors start them, and errors."""
+
+import numpy as np
+import pytest
+
+from tests.mpi_harness import mpi_test
+
+tf = pytest.importorskip("tensorflow")
+import mpitrain.tensorflow as hvd  # noqa: E402
+
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def session():
+    """A session whose executor runs one op at a time, in the order the ops
+    became ready: on this graph, the order they were made in."""
+    return tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
+        inter_op_parallelism_threads=1, intra_op_parallelism_threads=1))
+
+
+@mpi_test(env=TF_ENV, timeout=180)
+def test_collectives_fetched_together_complete_whatever_order_each_rank_starts_them():
+    r, n = hvd.rank(), hvd.size()
+    kinds = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall"] * 2
+    made = {}
+    with tf.Graph().as_default():
+        # Odd ranks make (and so start) the named collectives in reverse order.
+        for i in (range(len(kinds)) if r % 2 == 0 else reversed(range(len(kinds)))):
+            value = tf.constant(np.full((2 * n, 3), float(r + 10 * i)))
+            made[i] = {
+                "allreduce": lambda: hvd.allreduce(value, op=hvd.Sum, name=f"c{i}"),
+                "allgather": lambda: hvd.allgather(value[:r + 1], name=f"c{i}"),
+                "broadcast": lambda: hvd.broadcast(value, root_rank=n - 1, name=f"c{i}"),
+                "reducescatter": lambda: hvd.reducescatter(value, op=hvd.Sum,
+                                                           name=f"c{i}"),
+                "alltoall": lambda: hvd.alltoall(value, name=f"c{i}"),
+            }[kinds[i]]()
+        with session() as running:
+            got = running.run([made[i] for i in range(len(kinds))])
+    for i, kind in enumerate(kinds):
+        of = [np.full((2 * n, 3), float(k + 10 * i)) for k in range(n)]
+        want = {"allreduce": sum(of),
+                "allgather": np.concatenate([of[k][:k + 1] for k in range(n)]),
+                "broadcast": of[n - 1],
+                "reducescatter": sum(of)[2 * r:2 * r + 2],
+                "alltoall": np.concatenate([of[k][2 * r:2 * r + 2] for k in range(n)])}
+        np.testing.assert_array_equal(got[i], want[kind], err_msg=f"{kind} c{i}")
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_a_mismatch_in_a_graph_fails_every_rank_with_mpitrains_message():
+    # TensorFlow makes any other exception of a Python op an UnknownError: a
+    # Python op cannot raise Horovod's FailedPreconditionError in a graph
+    # (docs/migrating-from-horovod.md).
+    r = hvd.rank()
+    with tf.Graph().as_default():
+        uneven = hvd.allreduce(tf.ones([2 + r]), name="uneven.shapes")
+        with session() as running:
+            with pytest.raises(tf.errors.UnknownError, match="mismatch") as caught:
+                running.run(uneven)
+            assert running.run(hvd.allreduce(tf.ones([2]), op=hvd.Sum)).tolist() == \
+                [hvd.size()] * 2
+    assert "'uneven.shapes'" in str(caught.value)
