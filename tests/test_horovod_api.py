@@ -40,7 +40,8 @@ MPITRAIN = {
 }
 
 HELPER = "absent: one of Horovod's internal helpers its module happens to import, not its API"
-_TF1 = "absent: TF1 graphs and sessions, which TensorFlow 2 and mpitrain do not have"
+_TF1 = ("absent: a TF1 session helper; broadcast_variables and broadcast_object need no "
+        "session")
 # The one list of deliberate differences: "horovod.module.name[.method]" ->
 # "absent: why" (the name fails with a HorovodNameError), "signature: why"
 # (its parameters are not compared) or "behaviour: why" (same signature, a
@@ -59,14 +60,8 @@ DIFFERENCES = {
     "horovod.tensorflow.LocalGradientAggregationHelper": HELPER,
     "horovod.tensorflow.keras.is_version_greater_equal_than": HELPER,
     "horovod.tensorflow.keras.callbacks.is_version_greater_equal_than": HELPER,
-    "horovod.tensorflow.broadcast_global_variables": _TF1,
     "horovod.tensorflow.BroadcastGlobalVariablesHook": _TF1,
     "horovod.tensorflow.broadcast_object_fn": _TF1,
-    "horovod.tensorflow.rank_op": _TF1,
-    "horovod.tensorflow.local_rank_op": _TF1,
-    "horovod.tensorflow.size_op": _TF1,
-    "horovod.tensorflow.local_size_op": _TF1,
-    "horovod.tensorflow.process_set_included_op": _TF1,
     "horovod.tensorflow.keras.callbacks.BestModelCheckpoint": (
         "absent: made for Horovod's Spark estimator, which sets its file path; "
         "keras.callbacks.ModelCheckpoint(save_best_only=True) on rank 0 does it"),

@@ -180,7 +180,7 @@ def test_broadcast_variables_and_objects():
     assert variables[3].numpy().tolist() == [1.0, 1.0]
     assert variables[4].numpy().tolist() == [1, 1]
     in_place = [tf.Variable(tf.fill([2], float(r)))]
-    assert hvd.broadcast_(in_place, root_rank=n - 1)[0] is in_place[0]
+    assert hvd.broadcast_(in_place, root_rank=n - 1)[0].numpy().tolist() == [n - 1.0] * 2
     assert in_place[0].numpy().tolist() == [n - 1.0] * 2
     graph_variable = tf.Variable(tf.fill([2], float(r)))
     tf.function(lambda: hvd.broadcast_variables([graph_variable], root_rank=0))()

@@ -1,5 +1,6 @@
 """Collectives in TF1 graphs run by a session, as Horovod's own tests run each
-test a second time: in any order the ranks' executors start them, and errors."""
+test a second time: in any order the ranks' executors start them, in-place
+broadcasts, the rank and size ops, and errors."""
 
 import numpy as np
 import pytest
@@ -46,6 +47,44 @@ def test_collectives_fetched_together_complete_whatever_order_each_rank_starts_t
                 "reducescatter": sum(of)[2 * r:2 * r + 2],
                 "alltoall": np.concatenate([of[k][2 * r:2 * r + 2] for k in range(n)])}
         np.testing.assert_array_equal(got[i], want[kind], err_msg=f"{kind} c{i}")
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_in_place_broadcast_in_a_graph_returns_and_holds_the_roots_values():
+    r, n = hvd.rank(), hvd.size()
+    with tf.Graph().as_default():
+        resource = tf.compat.v1.Variable(np.full(3, float(r)), use_resource=True)
+        reference = tf.compat.v1.Variable(np.full((2, 2), r), use_resource=False)
+        flags = tf.compat.v1.Variable([r % 2 == 1, True])
+        returned = hvd.broadcast_([resource, reference, flags], root_rank=n - 1)
+        with session() as running:
+            running.run(tf.compat.v1.global_variables_initializer())
+            got = running.run(returned)
+            held = running.run([resource, reference, flags])
+    want = [np.full(3, float(n - 1)), np.full((2, 2), n - 1), [(n - 1) % 2 == 1, True]]
+    for values in (got, held):
+        for value, expected in zip(values, want):
+            np.testing.assert_array_equal(value, expected)
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_rank_and_size_ops_and_broadcast_global_variables():
+    r, n = hvd.rank(), hvd.size()
+    with tf.Graph().as_default():
+        weights = tf.compat.v1.Variable(np.full(2, float(r)))
+        assign = hvd.broadcast_global_variables(root_rank=0)
+        ops = [hvd.rank_op(), hvd.local_rank_op(), hvd.size_op(), hvd.local_size_op(),
+               hvd.process_set_included_op()]
+        with session() as running:
+            running.run(tf.compat.v1.global_variables_initializer())
+            running.run(assign)
+            assert running.run(weights).tolist() == [0.0, 0.0]
+            assert running.run(ops) == [r, hvd.local_rank(), n, hvd.local_size(), 1]
+    assert all(op.dtype == tf.int32 for op in ops)
+    with pytest.raises(ValueError, match="no process set with id 7"):
+        hvd.size_op(process_set_id=7)
+    with pytest.raises(RuntimeError, match="eager"):
+        hvd.broadcast_global_variables(root_rank=0)
 
 
 @mpi_test(env=TF_ENV, timeout=120)

@@ -15,7 +15,8 @@ from mpitrain import (
 from mpitrain.tensorflow.allgather import allgather, grouped_allgather
 from mpitrain.tensorflow.allreduce import allreduce, grouped_allreduce
 from mpitrain.tensorflow.alltoall import alltoall
-from mpitrain.tensorflow.broadcast import broadcast, broadcast_, broadcast_variables
+from mpitrain.tensorflow.broadcast import (
+    broadcast, broadcast_, broadcast_global_variables, broadcast_variables)
 from mpitrain.tensorflow.compression import Compression
 from mpitrain.tensorflow.errors import MismatchError
 from mpitrain.tensorflow.gradient_tape import (
@@ -23,23 +24,17 @@ from mpitrain.tensorflow.gradient_tape import (
 from mpitrain.tensorflow.graph_op import XlaNotSupportedError
 from mpitrain.tensorflow.objects import allgather_object, broadcast_object
 from mpitrain.tensorflow.optimizer import DistributedOptimizer
+from mpitrain.tensorflow.rank_ops import (
+    local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from mpitrain.tensorflow.reducescatter import grouped_reducescatter, reducescatter
 from mpitrain.tensorflow.sync_batch_norm import SyncBatchNormalization
 from mpitrain import horovod_names as _horovod_names
 
-_NO_GRAPH_OPS = ("is a graph op for elastic TF1 jobs; rank() and size() are constants "
-                 "here, wrap them in tf.constant")
 __getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow", lazy={
     "elastic": ("mpitrain.tensorflow.elastic", None),
 }, missing={
-    "broadcast_global_variables": (
-        "needs TF1's global variables: use broadcast_variables(model.variables, "
-        "root_rank) or mpitrain.tensorflow.keras.broadcast_global_variables("
-        "root_rank, model=model)"),
     "BroadcastGlobalVariablesHook": "is a TF1 session hook: use broadcast_variables",
     "broadcast_object_fn": "is for TF1 sessions: use broadcast_object",
-    "rank_op": _NO_GRAPH_OPS, "local_rank_op": _NO_GRAPH_OPS, "size_op": _NO_GRAPH_OPS,
-    "local_size_op": _NO_GRAPH_OPS, "process_set_included_op": _NO_GRAPH_OPS,
     "mpi_ops": "is not a module here: its functions are in mpitrain.tensorflow itself",
     "run": "is horovod.run, which is mpitrain.run",
 } | dict.fromkeys((

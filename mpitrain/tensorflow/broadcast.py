@@ -1,4 +1,5 @@
-"""broadcast, broadcast_ (in place on variables) and broadcast_variables."""
+"""broadcast, broadcast_ (in place on variables), broadcast_variables and
+broadcast_global_variables (TF1 graphs)."""
 
 import numpy as np
 import tensorflow as tf
@@ -89,10 +90,21 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set,
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """In-place broadcast of variables from root_rank; returns the variables."""
+    """In-place broadcast of variables from root_rank; returns their values read
+    after the assignment, as Horovod does (in a graph, running those runs it)."""
     variables = list(variables)
     values = send_from_root([tf.convert_to_tensor(v) for v in variables],
                             root_rank, name, process_set)
-    for variable, value in zip(variables, values):
-        variable.assign(value)
-    return variables
+    with tf.control_dependencies([v.assign(value) for v, value in zip(variables, values)]):
+        return [tf.identity(v) for v in variables]
+
+
+def broadcast_global_variables(root_rank):
+    """Assign root_rank's values to a TF1 graph's global variables (assign ops)."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables() needs a TF1 graph's global variables, which "
+            "eager TensorFlow does not keep: use broadcast_variables(model.variables, "
+            "root_rank) or mpitrain.tensorflow.keras.broadcast_global_variables("
+            "root_rank, model=model)")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
