@@ -122,12 +122,14 @@ def test_gradients_of_the_collectives():
     # allreduce: the gradient is the allreduce (Sum) of 3 from every rank
     want = first_row[0].copy(); want[first_row[1]] = 3.0 * n
     np.testing.assert_allclose(got[0], want)
-    # allgather: every rank's loss depends on every row; the summed gradient
-    np.testing.assert_allclose(got[1], np.tile([[1.0, 2.0]], (r + 1, 1)) * n)
+    # allgather and broadcast, as Horovod: the gradient of the ranks' average
+    # loss. Every rank's loss depends on every row, with weights [1, 2]:
+    np.testing.assert_allclose(got[1], np.tile([[1.0, 2.0]], (r + 1, 1)) * n / n)
     # broadcast: only the root's input reaches the outputs, from every rank
-    want = first_row[0].copy(); want[first_row[1]] = n if r == 0 else 0.0
+    want = first_row[0].copy(); want[first_row[1]] = n / n if r == 0 else 0.0
     np.testing.assert_allclose(got[2], want)
-    # reducescatter (Average): each tiled row contributes 1/n to one rank's output
+    # reducescatter (Average), unlike Horovod (n times this): the gradient of the
+    # ranks' summed loss; each tiled row contributes 1/n to one rank's output
     want = first_row[0].copy(); want[first_row[1]] = 1.0
     np.testing.assert_allclose(got[3], want)
     values = tf.Variable(tf.fill([2 * n], float(r)))

@@ -3,17 +3,18 @@
 import tensorflow as tf
 
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.ops import OpType, Sum
+from mpitrain.ops import Average, OpType
 from mpitrain.tensorflow.primitives import dense, gather, reduce_dense
 
 
 def _own_rows(gradient, tensor, process_set):
-    """This rank's rows of the summed gradient of a gathered tensor."""
+    """This rank's rows of the averaged gradient of a gathered tensor: Horovod's
+    convention, the gradient of the ranks' average loss (docs/migrating-from-horovod.md)."""
     # gradient has the gathered shape: every rank's rows.
-    summed = reduce_dense([gradient], Sum, 1.0, 1.0, None, process_set)[0]
+    averaged = reduce_dense([gradient], Average, 1.0, 1.0, None, process_set)[0]
     first_dims = gather([tf.shape(tensor, out_type=tf.int64)[:1]], None, process_set)[0]
     start = tf.reduce_sum(first_dims[:process_set.rank()])
-    return summed[start:start + first_dims[process_set.rank()]]
+    return averaged[start:start + first_dims[process_set.rank()]]
 
 
 def _gather_with_gradient(tensors, name, process_set):

@@ -9,7 +9,7 @@ from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.backends import dtypes
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveTypeError
-from mpitrain.ops import OpType, Sum
+from mpitrain.ops import Average, OpType
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.primitives import dense, reduce_dense
 
@@ -65,9 +65,10 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     def send(value):
         def gradient(upstream):
             # Every rank's output came from the root: the root's input gets
-            # the sum of the gradients, the other inputs none.
-            summed = reduce_dense([upstream], Sum, 1.0, 1.0, None, process_set)[0]
-            return summed if is_root(root_rank, process_set) else tf.zeros_like(summed)
+            # the average of the gradients (Horovod's convention, the gradient
+            # of the ranks' average loss), the other inputs none.
+            averaged = reduce_dense([upstream], Average, 1.0, 1.0, None, process_set)[0]
+            return averaged if is_root(root_rank, process_set) else tf.zeros_like(averaged)
         return send_from_root([value], root_rank, name, process_set)[0], gradient
     # send_from_root names a named tensor as the one member of a group
     count = None if name is None else 1
