@@ -166,6 +166,10 @@ def test_embedding_gradients_as_indexed_slices_and_sparse_as_dense():
     for bad in (dict(op=hvd.Max), dict(op=hvd.Sum, prescale_factor=2.0)):
         with pytest.raises(NotImplementedError, match="IndexedSlices"):
             hvd.allreduce(slices, **bad)
+    # As Horovod, a group with slices is refused before its dense members travel
+    # (integers, which Adasum would refuse with a TypeError of its own).
+    with pytest.raises(NotImplementedError, match="IndexedSlices"):
+        hvd.grouped_allreduce([tf.ones([4], tf.int32), slices], op=hvd.Adasum)
 
 
 @mpi_test(env=TF_ENV, timeout=120)

@@ -8,7 +8,7 @@ from mpitrain.ops import OpType, resolve_op
 from mpitrain.tensorflow import primitives
 from mpitrain.tensorflow.compression import Compression, GradientCompressor
 from mpitrain.tensorflow.primitives import reduce_dense
-from mpitrain.tensorflow.sparse import allreduce_indexed_slices
+from mpitrain.tensorflow.sparse import allreduce_indexed_slices, check_sparse_arguments
 
 
 def _reduce_with_gradient(tensors, op, prescale_factor, postscale_factor, name,
@@ -41,6 +41,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     results = list(tensors)
     dense = [i for i, t in enumerate(results) if not isinstance(t, tf.IndexedSlices)]
     sparse = [i for i in range(len(results)) if i not in set(dense)]
+    if sparse:      # before any exchange, as Horovod: no rank sends half a group
+        check_sparse_arguments(op, prescale_factor, postscale_factor)
     if dense:
         tensors = primitives.dense([results[i] for i in dense], OpType.ALLREDUCE, name,
                                    process_set)

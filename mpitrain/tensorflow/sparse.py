@@ -6,9 +6,8 @@ from mpitrain.ops import Average, Sum
 from mpitrain.tensorflow.allgather import grouped_allgather
 
 
-def allreduce_indexed_slices(slices, op, prescale_factor, postscale_factor, name,
-                             process_set):
-    """Average or sum IndexedSlices; repeated indices add up when applied."""
+def check_sparse_arguments(op, prescale_factor, postscale_factor):
+    """NotImplementedError, as in Horovod, for what gathered slices cannot do."""
     if op not in (Average, Sum):
         raise NotImplementedError(
             f"IndexedSlices (e.g. an Embedding's gradient) travel through "
@@ -20,6 +19,12 @@ def allreduce_indexed_slices(slices, op, prescale_factor, postscale_factor, name
             "IndexedSlices travel through allgather, which cannot apply "
             "prescale_factor or postscale_factor; densify first "
             "(tf.convert_to_tensor, or sparse_as_dense=True)")
+
+
+def allreduce_indexed_slices(slices, op, prescale_factor, postscale_factor, name,
+                             process_set):
+    """Average or sum IndexedSlices; repeated indices add up when applied."""
+    check_sparse_arguments(op, prescale_factor, postscale_factor)
     values, indices = grouped_allgather([slices.values, slices.indices], name,
                                         process_set=process_set)
     if op == Average:
