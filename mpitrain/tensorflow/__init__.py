@@ -41,6 +41,6 @@ __getattr__ = _horovod_names.module_getattr(__name__, "horovod.tensorflow", lazy
     "check_extension", "check_num_rank_power_of_2", "gpu_available", "split_list",
     "vars_to_refs", "refs_to_vars", "handle_average_backwards_compatibility",
     "LocalGradientAggregationHelper"), _horovod_names.INTERNAL_HELPER))
-from mpitrain.tensorflow import keras2_errors as _keras2_errors
+from mpitrain.tensorflow import keras2_variables as _keras2_variables
 
-_keras2_errors.explain_keras2_errors()
+_keras2_variables.make_optimizer_variables_callable()

@@ -37,14 +37,6 @@ class _Distribution:
                                           self.reducer.reduce(summed, variables)))
 
 
-class CallableList(list):
-    """A list that calling returns a copy of: Keras 3 made ``optimizer.variables``
-    a property, and Horovod-era scripts call ``opt.variables()``."""
-
-    def __call__(self):
-        return list(self)
-
-
 def _refuse_inside_loss_scale_optimizer(optimizer, caller):
     """A LossScaleOptimizer around a DistributedOptimizer checks each rank's own
     gradients for an overflow, and a rank that finds one skips the allreduce
@@ -85,9 +77,7 @@ def distributed_class(base):
         def build(self, variables):
             _refuse_inside_loss_scale_optimizer(self, sys._getframe(1))
             return base.build(self, variables)
-        methods = {"apply": apply, "build": build, "variables": property(
-            lambda self: CallableList(base.variables.fget(self)),
-            doc="The optimizer's variables, a list; Keras 2's variables() works too.")}
+        methods = {"apply": apply, "build": build}
     elif hasattr(base, "apply_gradients"):
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             grads, variables = zip(*list(grads_and_vars))
