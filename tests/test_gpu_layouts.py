@@ -37,7 +37,6 @@ def test_expanded_cuda_tensors_are_refused_as_in_place_outputs_on_every_rank():
     layouts.expanded_in_place_outputs_are_refused_everywhere(torch_device())
 
 
-@pytest.mark.xfail(strict=True, reason=layouts.MIXED_LAYOUTS_BUG)
 @mpi_test(np=(2, 3), timeout=120, skip=runnable)
 def test_ranks_holding_one_cuda_tensor_in_two_layouts_average_it_in_place():
     layouts.one_tensor_in_two_layouts_averaged_in_place(torch_device())

@@ -259,12 +259,6 @@ def one_tensor_in_two_layouts_averaged_in_place(device):
                    "allreduce_ of one tensor in two layouts")
 
 
-MIXED_LAYOUTS_BUG = (
-    "engine/executor.py _allreduce_alone scales before the sum where its output is "
-    "not its input (a strided in-place tensor gets a contiguous stand-in) and after "
-    "it where it is, a choice each rank makes alone: ranks that differ add x/n to y")
-
-
 @mpi_test(np=(2, 3), timeout=120)
 def test_every_collective_fused_on_every_layout():
     every_collective_on_every_layout("cpu")
@@ -280,7 +274,6 @@ def test_expanded_tensors_are_refused_as_in_place_outputs_on_every_rank():
     expanded_in_place_outputs_are_refused_everywhere("cpu")
 
 
-@pytest.mark.xfail(strict=True, reason=MIXED_LAYOUTS_BUG)
 @mpi_test(np=(2, 3), timeout=120)
 def test_ranks_holding_one_tensor_in_two_layouts_average_it_in_place():
     one_tensor_in_two_layouts_averaged_in_place("cpu")

@@ -302,9 +302,6 @@ class Executor:
         prescale = response.prescale
         if integer is not None:
             prescale, factor = 1.0, 1.0
-        elif output is not entry.input and _scales_early(response, entry.dtype):
-            # Scale in the copy that happens anyway, not in a pass of its own.
-            prescale, factor = prescale * factor, 1.0
         fill = None
         if output is not entry.input or prescale != 1.0:
             if entry.input.flags.c_contiguous:
@@ -488,11 +485,4 @@ def _now(function, *args):
     function(*args)
     return
     yield
-
-
-def _scales_early(response, dtype):
-    """May the factor applied after a sum move before it? Floats only: integer
-    averages truncate the sum, and Min/Max/Product do not commute with it."""
-    return (response.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
-            and dtype.numpy.kind == "f" and dtype.numpy == dtype.reduce_as)
 
