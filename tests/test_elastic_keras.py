@@ -8,6 +8,7 @@ from tests.mpi_harness import mpi_test
 tf = pytest.importorskip("tensorflow")
 import keras
 
+import mpitrain.tensorflow as hvd_tf  # noqa: E402
 import mpitrain.tensorflow.keras as hvd
 from tests.keras_models import compiled_model  # noqa: E402
 
@@ -65,3 +66,26 @@ def test_a_reset_in_the_middle_of_an_epoch_resumes_fit_from_the_last_commit():
 def test_a_state_needs_a_built_model():
     with pytest.raises(ValueError, match="built model"):
         hvd.elastic.KerasState(keras.Sequential([keras.layers.Dense(2)]))
+
+
+@mpi_test(env=TF_ENV, timeout=180)
+def test_restore_after_sync_brings_back_the_synced_variables():
+    # Horovod's test_elastic_state: sync() commits what it synchronized.
+    r = hvd.rank()
+    model = compiled_model(r)
+    variables = [tf.Variable(np.full((2, 2), float(r + 1))), tf.Variable(float(r + 1))]
+    for state, tracked in ((hvd.elastic.KerasState(model, epoch=10 + r), model.variables),
+                           (hvd_tf.elastic.TensorFlowState(variables, epoch=10 + r),
+                            variables)):
+        state.sync()
+        synced = [np.array(v) for v in tracked]
+        everyone = hvd.allgather_object([v.tolist() for v in synced])
+        assert all(values == everyone[0] for values in everyone)    # rank 0's
+        for variable in tracked:
+            variable.assign(variable + 5)
+        state.epoch = 99
+        state.restore()
+        restored = [np.array_equal(np.array(v), value) for v, value in zip(tracked, synced)]
+        # every rank fails together, naming the ranks that got their own values back
+        assert hvd.allgather_object(restored) == [[True] * len(synced)] * hvd.size()
+        assert state.epoch == 10

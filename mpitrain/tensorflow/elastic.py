@@ -7,18 +7,15 @@ rank and calls the function again; see docs/fault-tolerance.md);
 model; ``ObjectState`` commits plain values only.
 """
 
-import numpy as np
-
 from mpitrain.api.elastic import State
-from mpitrain.tensorflow.broadcast import broadcast_variables
-from mpitrain.tensorflow.keras.elastic import TensorFlowKerasState, run
+from mpitrain.tensorflow.keras.elastic import TensorFlowKerasState, VariablesState, run
 
 __all__ = ["ObjectState", "TensorFlowKerasState", "TensorFlowState", "run"]
 
 ObjectState = State
 
 
-class TensorFlowState(State):
+class TensorFlowState(VariablesState):
     """TensorFlow variables and plain values, committed together."""
 
     def __init__(self, variables=None, session=None, **kwargs):
@@ -31,15 +28,5 @@ class TensorFlowState(State):
         self.variables = list(variables)
         super().__init__(**kwargs)
 
-    def save(self):
-        self._saved_variables = [np.array(v) for v in self.variables]
-        super().save()
-
-    def restore(self):
-        for variable, value in zip(self.variables, self._saved_variables):
-            variable.assign(value)
-        super().restore()
-
-    def sync(self):
-        broadcast_variables(self.variables, root_rank=0)
-        super().sync()
+    def _variables(self):
+        return self.variables

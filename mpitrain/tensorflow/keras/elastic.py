@@ -23,7 +23,33 @@ from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import optimizer_variables
 
 
-class TensorFlowKerasState(elastic.State):
+class VariablesState(elastic.State):
+    """TensorFlow variables, which a subclass's ``_variables()`` lists, committed
+    with plain values.
+
+    sync() also saves what it synchronized, as Horovod does: a restore()
+    after it brings back rank 0's variables, not this rank's from before.
+    """
+
+    def _save_variables(self):
+        self._saved_variables = [np.array(v) for v in self._variables()]
+
+    def save(self):
+        self._save_variables()
+        super().save()
+
+    def restore(self):
+        for variable, value in zip(self._variables(), self._saved_variables):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        broadcast_variables(self._variables(), root_rank=0)
+        self._save_variables()
+        super().sync()
+
+
+class TensorFlowKerasState(VariablesState):
     """A built Keras model, its optimizer's variables and plain values, committed together."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
@@ -40,19 +66,6 @@ class TensorFlowKerasState(elastic.State):
 
     def _variables(self):
         return list(self.model.variables) + optimizer_variables(self.optimizer)
-
-    def save(self):
-        self._saved_variables = [np.array(v) for v in self._variables()]
-        super().save()
-
-    def restore(self):
-        for variable, value in zip(self._variables(), self._saved_variables):
-            variable.assign(value)
-        super().restore()
-
-    def sync(self):
-        broadcast_variables(self._variables(), root_rank=0)
-        super().sync()
 
 
 class KerasState(TensorFlowKerasState):
