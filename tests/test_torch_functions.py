@@ -160,3 +160,21 @@ def test_sync_batch_norm_needs_more_than_one_value_per_channel():
     batch = torch.ones(1, 2) if hvd.rank() == 0 else torch.ones(0, 2)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         hvd.SyncBatchNorm(2)(batch)
+
+
+@mpi_test()
+def test_broadcast_optimizer_state_leaves_zero_gradients_as_horovod_does():
+    # Horovod's test_broadcast_state_no_grad broadcasts a gradient next.
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert torch.equal(model.weight.grad, torch.zeros(2, 3))
+    assert model.bias.grad is None                   # not trainable: left alone
+    assert torch.equal(hvd.broadcast(model.weight.grad, root_rank=0), torch.zeros(2, 3))
+    embedding = torch.nn.Embedding(4, 2, sparse=True)
+    sparse_optimizer = torch.optim.SparseAdam(embedding.parameters())
+    hvd.broadcast_optimizer_state(sparse_optimizer, root_rank=0, model=embedding)
+    assert embedding.weight.grad.is_sparse          # a sparse step can follow

@@ -41,6 +41,22 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
         raise errors[0]
 
 
+def _zero_missing_gradients(optimizer, model):
+    """Zero gradients of trainable parameters that have none, as Horovod's
+    broadcast_optimizer_state leaves a new optimizer's parameters: code that
+    broadcasts a .grad next finds a tensor. Sparse where a step takes them so
+    (SparseAdam; SGD on an Embedding(sparse=True) of ``model``)."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+
+
 def broadcast_optimizer_state(optimizer, root_rank, model=None,
                               process_set=global_process_set):
     """Give every rank root_rank's optimizer state and options (such as lr).
@@ -48,10 +64,13 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
     Works for every torch.optim optimizer, including state that other ranks
     have not created yet: the whole state_dict travels from the root and is
     loaded elsewhere; if it cannot be loaded on some rank, every rank raises
-    CollectiveValueError naming those ranks. ``model`` is accepted for Horovod
-    compatibility. A ShardedOptimizer's full state is first gathered on
-    root_rank; each rank keeps its share of it.
+    CollectiveValueError naming those ranks. As in Horovod, an optimizer
+    without state leaves zero gradients on trainable parameters that had none
+    (``model`` tells sparse ones). A ShardedOptimizer's full state is first
+    gathered on root_rank; each rank keeps its share of it.
     """
+    if not optimizer.state:
+        _zero_missing_gradients(optimizer, model)
     sends = is_root(root_rank, process_set)
     with state_on_one_rank(optimizer, root_rank):
         state = broadcast_object(optimizer.state_dict() if sends else None, root_rank,
