@@ -20,7 +20,7 @@ from mpitrain.errors import ERROR_CLASSES, MismatchError, RankNames
 
 
 def require_same(what, settings, name, process_set=global_process_set, problem=None,
-                 labels=None):
+                 labels=None, absent="nothing"):
     """Return once every rank of ``process_set`` passed equal ``settings``.
 
     Otherwise raise on every rank: a MismatchError naming the first setting
@@ -31,17 +31,18 @@ def require_same(what, settings, name, process_set=global_process_set, problem=N
     what: who checks, for the message ("LocalSGDOptimizer"); settings: {key:
     value}, values compared by their repr; name: the collectives' name;
     labels: {key: how the message names it} (default: the key itself), so
-    that a message may say more than what is compared.
+    that a message may say more than what is compared; absent: what it
+    shows for a rank that lacks a key the others have.
     """
     if process_set.size() == 1:             # alone: nothing to compare, nothing sent
         if problem:
             raise problem
         return
     if problem is None:
-        mine = (None, settings)
+        mine = (None, settings, labels or {})
     else:
         mine = ("type" if isinstance(problem, TypeError) else "value",
-                f"{type(problem).__name__}: {problem}")
+                f"{type(problem).__name__}: {problem}", {})
     text = repr(mine if problem else sorted(
         (repr(key), repr(value)) for key, value in settings.items())).encode()
     digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
@@ -56,20 +57,21 @@ def require_same(what, settings, name, process_set=global_process_set, problem=N
     if problem:
         raise problem
     rank_names = RankNames(process_set.process_set_id, process_set.ranks)
-    failed = [rank for rank, (kind, _) in enumerate(everyone) if kind is not None]
+    failed = [rank for rank, (kind, _, _) in enumerate(everyone) if kind is not None]
     if failed:
         raise ERROR_CLASSES[everyone[failed[0]][0]](
             f"{what} failed on {rank_names(failed)}: "
             + "; ".join(everyone[rank][1] for rank in failed))
-    everyone = [theirs for _, theirs in everyone]
+    # Labels travel too: a rank that lacks a key has no label for it.
+    labels = {key: label for _, _, theirs in reversed(everyone)
+              for key, label in theirs.items()}
+    everyone = [theirs for _, theirs, _ in everyone]
     for key in dict.fromkeys(key for theirs in everyone for key in theirs):
-        values = [theirs.get(key, _ABSENT) for theirs in everyone]
+        values = [theirs.get(key, absent) for theirs in everyone]
         if len(set(map(repr, values))) > 1:
             shown = describe_by_rank({rank_names.job_ranks[rank]: value
                                       for rank, value in enumerate(values)})
-            raise MismatchError(f"{what}: {(labels or {}).get(key, key)} differs between "
+            raise MismatchError(f"{what}: {labels.get(key, key)} differs between "
                                 f"{rank_names.members} ({shown}): every rank must use "
                                 "the same")
 
-
-_ABSENT = "nothing"

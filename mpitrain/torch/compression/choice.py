@@ -31,7 +31,8 @@ def split(compression, parameters, names):
 
 def agreed_split(compression, parameters, names, process_set):
     """split(), the same on every rank of ``process_set``, or a MismatchError on
-    each naming the first parameter whose compressor or settings differ.
+    each naming the first parameter whose compressor or settings differ, or
+    that only some ranks train.
 
     Payloads of different compressors, or of one with other settings, cannot
     be read together, and a compressed exchange would wait forever for a rank
@@ -49,7 +50,8 @@ def agreed_split(compression, parameters, names, process_set):
                  {names[p]: repr(chosen[p]) if p in chosen else "uncompressed"
                   for p in parameters},
                  "DistributedOptimizer.compression", process_set, problem,
-                 labels={names[p]: f"the compressor of '{names[p]}'" for p in parameters})
+                 labels={names[p]: f"the compressor of '{names[p]}'" for p in parameters},
+                 absent="no such parameter")
     return fused, chosen
 
 
