@@ -160,6 +160,18 @@ def test_embedding_gradients_as_indexed_slices_and_sparse_as_dense():
             want[k] += 1.0 / n
             want[5] += 1.0 / n
         np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), want, rtol=1e-6)
+    # A local source's slices stay this rank's, divided by the size (Horovod's
+    # scale_local_gradients; its test_model_parallel_model).
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(embedding(ids))
+    local = tf.convert_to_tensor(tape.gradient(loss, embedding.embeddings)).numpy()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(embedding(ids))
+    tape = hvd.DistributedGradientTape(tape)
+    tape.register_local_source(embedding.embeddings)
+    (got,) = tape.gradient(loss, embedding.trainable_variables)
+    assert isinstance(got, tf.IndexedSlices)
+    np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), local / n, rtol=1e-6)
     slices = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([r]), tf.constant([10, 3]))
     summed = hvd.allreduce(slices, op=hvd.Sum)
     np.testing.assert_array_equal(tf.convert_to_tensor(summed).numpy()[:n], np.ones((n, 3)))

@@ -114,7 +114,7 @@ class GradientReducer:
                 continue
             if local[i]:
                 if self.scale_local:
-                    results[i] = gradient / self.process_set.size()
+                    results[i] = _divided(gradient, self.process_set.size())
                 continue
             if isinstance(gradient, tf.IndexedSlices) and not self.sparse_as_dense:
                 # Gathered slices are never summed, so the predivide factor,
@@ -238,6 +238,14 @@ class GradientReducer:
         for i in indices:
             split[group_of.get(id(variables[i]), len(self.groups))].append(i)
         return [members for members in split if members]
+
+
+def _divided(gradient, divisor):
+    """``gradient`` / divisor; an IndexedSlices (an Embedding's gradient) stays one."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values / divisor, gradient.indices,
+                                gradient.dense_shape)
+    return gradient / divisor
 
 
 def _check_saved_shape(state, name, shape):
