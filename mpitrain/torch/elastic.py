@@ -13,7 +13,7 @@ import torch
 
 from mpitrain.api import basics
 from mpitrain.api.elastic import State, run
-from mpitrain.api.objects import allgather_object, broadcast_object
+from mpitrain.api.objects import broadcast_object
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from mpitrain.torch.optimizer import _DistributedOptimizer
 from mpitrain.torch.sharded_optimizer import state_everywhere
@@ -100,29 +100,28 @@ class _SamplerHandler:
         self.sampler = sampler
 
     def save(self):
-        self.saved = copy.deepcopy(self.sampler.state_dict())
+        self.saved = self.sampler.state_dict()
 
     def restore(self):
-        self.sampler.load_state_dict(copy.deepcopy(self.saved))
+        self.sampler.load_state_dict(self.saved)
 
     def sync(self):
-        """Every rank skips what any rank has processed this epoch."""
-        processed = set().union(*allgather_object(self.sampler.processed_indices,
-                                                  "mpitrain.elastic.processed"))
-        state = self.sampler.state_dict()
-        state["processed_indices"] = processed
-        self.sampler.load_state_dict(broadcast_object(state, 0,
+        self.sampler.load_state_dict(broadcast_object(self.sampler.state_dict(), 0,
                                                       "mpitrain.elastic.sampler"))
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    """Shards a dataset over the ranks and remembers what was processed.
+    """Shards a dataset over the ranks and counts what was processed, as Horovod's.
 
     Call ``record_batch(batch_idx, batch_size)`` after each batch and
-    ``set_epoch(epoch)`` at the start of each epoch. After a reset, the
-    samples processed since the epoch began (on any rank, as of the last
-    commit) are skipped and the rest are sharded again. With shuffle=True
-    the order depends on seed and epoch only, so it is the same everywhere.
+    ``set_epoch(epoch)`` at the end of each epoch (at the end, so that an
+    epoch cut short is not started over). The sampler counts the samples
+    every rank together has processed this epoch (``processed_num``), which
+    is the same on every rank: a commit holds the same sampler everywhere,
+    so one rank's copy of it is enough to resume. After a reset or a restart
+    the epoch's first ``processed_num`` samples are skipped and the rest are
+    dealt out to the ranks there are now. The order depends on seed and
+    epoch only (with shuffle=True), so it is the same everywhere.
     """
 
     def __init__(self, dataset, shuffle=True, seed=0):
@@ -130,20 +129,18 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.processed_indices = set()
+        self.processed_num = 0
         self.indices = []
         self.reset()
 
     def set_epoch(self, epoch):
         self.epoch = epoch
-        self.processed_indices = set()
+        self.processed_num = 0
         self.reset()
 
     def record_batch(self, batch_idx, batch_size):
-        self.record_indices(self.get_indices(batch_idx, batch_size))
-
-    def record_indices(self, indices):
-        self.processed_indices.update(indices)
+        """Count a batch of ``batch_size`` as done on every rank."""
+        self.processed_num += batch_size * self.num_replicas
 
     def get_indices(self, batch_idx, batch_size):
         """This rank's indices of batch ``batch_idx`` in the current pass."""
@@ -151,25 +148,25 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.indices[start:start + batch_size]
 
     def state_dict(self):
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict):
         self.epoch = state_dict["epoch"]
-        self.processed_indices = set(state_dict["processed_indices"])
+        self.processed_num = state_dict["processed_num"]
         self.reset()
 
     def reset(self):
         self.rank, self.num_replicas = basics.rank(), basics.size()
-        self.remaining_indices = [i for i in range(len(self.dataset))
-                                  if i not in self.processed_indices]
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = [order[i] for i in torch.randperm(len(order), generator=generator)]
+        self.remaining_indices = order[self.processed_num:]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
 
     def __iter__(self):
         order = list(self.remaining_indices)
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = [order[i] for i in torch.randperm(len(order), generator=generator)]
         if order:                           # repeat some so every rank gets as many
             order = (order * math.ceil(self.total_size / len(order)))[:self.total_size]
         self.indices = order[self.rank:self.total_size:self.num_replicas]
