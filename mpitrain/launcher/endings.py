@@ -36,6 +36,19 @@ SENTENCES = (
 )
 
 
+# The sentence SENTENCES makes of a rank killed by a signal.
+KILLED = re.compile(r"rank (?P<rank>\d+) was killed by signal \d+ .*")
+
+
+def killed_rank(sentences):
+    """The rank Open MPI said was killed by a signal, or None."""
+    for said in sentences:
+        found = KILLED.fullmatch(said)
+        if found:
+            return int(found.group("rank"))
+    return None
+
+
 def opens_a_box(first_line):
     """Whether the first line of a box (its text after the rule) starts one
     of the boxes this module reads."""

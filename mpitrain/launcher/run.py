@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from mpitrain.launcher import endings, output, quiet
+from mpitrain.launcher import elastic_arguments, endings, output, quiet
 from mpitrain.launcher.program import check_program
 from mpitrain.runtime import launch_report
 
@@ -149,6 +149,7 @@ def build_parser():
                              "framework: seconds)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpirun command instead of running it")
+    elastic_arguments.add_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program to run on every rank, e.g. python train.py")
     return parser
@@ -387,14 +388,29 @@ def run(line, env, tagged, verbose):
     return 128 - code if code < 0 else code, out.sentences + err.sentences
 
 
-def run_and_report(line, env, local, tagged, verbose):
-    """run(), then one line saying how a failed job ended: which ranks
-    failed with which exception, from their reports, or what Open MPI said."""
+def warn_before_start(env, environ, local, nprocs):
+    """What the user should know before the ranks start: that mpitrainrun
+    let Open MPI run as root, and that the ranks share cores."""
+    if env.get("OMPI_ALLOW_RUN_AS_ROOT") != environ.get("OMPI_ALLOW_RUN_AS_ROOT"):
+        warn("running as root: allowing Open MPI to start (OMPI_ALLOW_RUN_AS_ROOT=1)")
+    if local and nprocs > cores():
+        warn(f"{nprocs} ranks on {cores()} cores: oversubscribing, so "
+             "ranks share cores and each runs slower")
+
+
+def run_with_reports(line, env, local, tagged, verbose):
+    """run(), and the reports of the ranks that aborted the job ({rank: report})."""
     with tempfile.TemporaryDirectory(prefix="mpitrainrun-") as directory:
         if local:           # ranks on other hosts cannot write here
             env = {**env, launch_report.VARIABLE: directory}
         code, sentences = run(line, env, tagged, verbose)
-        reports = launch_report.reports(directory)
+        return code, sentences, launch_report.reports(directory)
+
+
+def run_and_report(line, env, local, tagged, verbose):
+    """run(), then one line saying how a failed job ended: which ranks
+    failed with which exception, from their reports, or what Open MPI said."""
+    code, sentences, reports = run_with_reports(line, env, local, tagged, verbose)
     if code and sentences is not None:
         warn(endings.summary(code, reports, sentences))
     return code
@@ -410,6 +426,7 @@ def main(argv=None, environ=None):
         print(report(mpirun, mpi_flavor(mpirun) if mpirun else None, args.nprocs,
                      {**environ, **setting_variables(args)}))
         return 0
+    elastic_arguments.check(parser, args)
     if args.nprocs is None:
         parser.error("give the number of ranks with -np, e.g. "
                      "mpitrainrun -np 2 python train.py")
@@ -442,6 +459,9 @@ def main(argv=None, environ=None):
         parser.exit(2, f"mpitrainrun: {mpirun} is neither Open MPI nor MPICH, so "
                        "mpitrainrun cannot pass it hosts or network interfaces; "
                        "run it yourself\n")
+    if elastic_arguments.is_elastic(args):
+        from mpitrain.launcher import elastic
+        return elastic.main(parser, args, hosts, environ, variables, mpirun, flavor)
     local = all_on_this_machine(hosts)
     env = job_environment(variables, hosts, args.nprocs, flavor,
                           args.network_interface, environ)
@@ -451,11 +471,7 @@ def main(argv=None, environ=None):
     if args.dry_run:
         print(shown(line, env, environ))
         return 0
-    if env.get("OMPI_ALLOW_RUN_AS_ROOT") != environ.get("OMPI_ALLOW_RUN_AS_ROOT"):
-        warn("running as root: allowing Open MPI to start (OMPI_ALLOW_RUN_AS_ROOT=1)")
-    if local and args.nprocs > cores():
-        warn(f"{args.nprocs} ranks on {cores()} cores: oversubscribing, so "
-             "ranks share cores and each runs slower")
+    warn_before_start(env, environ, local, args.nprocs)
     if args.verbose:
         warn(f"{flavor} launcher {mpirun}")
         warn(shown(line, env, environ))

@@ -26,6 +26,7 @@ class Config:
     log_level: str = ""                    # "": warnings on rank 0, errors elsewhere
     abort_on_exception: bool = True        # an unhandled exception aborts the whole job
     elastic_reset_limit: int = 3           # resets elastic.run tries before giving up; 0: no limit
+    elastic_dir: str = "/dev/shm"          # where each host keeps an elastic job's commits
     cuda_aware: str = "auto"               # does MPI take device buffers: auto, 1, 0
     gpu_operations: str = "auto"           # device allreduces over nccl, mpi, or auto
     intra_node: str = "auto"               # host allreduces inside a node: shm, mpi, or auto
@@ -108,6 +109,7 @@ _VARIABLES = {
     "abort_on_exception": ("ABORT_ON_EXCEPTION", _flag, "0 or 1"),
     "elastic_reset_limit": ("ELASTIC_RESET_LIMIT", _nonnegative_int,
                             "a whole number of resets >= 0 (0: no limit)"),
+    "elastic_dir": ("ELASTIC_DIR", str, "a folder path"),
     "cuda_aware": ("CUDA_AWARE", _choice("auto", "1", "0"), "auto, 1 or 0"),
     "gpu_operations": ("GPU_OPERATIONS", _choice("auto", "mpi", "nccl"),
                        "auto, mpi or nccl"),

@@ -1,4 +1,4 @@
-"""Horovod's ``horovod.tensorflow.elastic``, within a fixed MPI world.
+"""Horovod's ``horovod.tensorflow.elastic``.
 
 ``TensorFlowKerasState`` and ``run`` are those of
 mpitrain.tensorflow.keras.elastic (a reset restores the last commit on every

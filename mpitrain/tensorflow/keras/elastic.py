@@ -1,4 +1,4 @@
-"""Horovod's ``hvd.elastic`` for Keras, within a fixed MPI world.
+"""Horovod's ``hvd.elastic`` for Keras.
 
 ``KerasState(model, epoch=0, batch=0)`` commits and restores the model's and
 its optimizer's variables with plain values; the callbacks keep

@@ -1,0 +1,100 @@
+"""Which hosts an elastic job may run on: discovery, less the blacklisted.
+
+As Horovod's: the host discovery script prints every host that can take
+ranks now, one a line, as ``host:slots`` or ``host`` (then --slots, else 1,
+as in -H); mpitrainrun runs it every second. A host whose rank was lost is
+blacklisted: for the rest of the job, or with --blacklist-cooldown-range
+MIN MAX for a time that doubles with each failure of the host, from MIN
+plus a random part of MIN up to MAX seconds (Horovod's formula), after
+which discovery may offer it again.
+"""
+
+import random
+import subprocess
+import time
+
+from mpitrain.launcher.run import parse_hosts
+
+# Horovod's bounds for --blacklist-cooldown-range.
+COOLDOWN_LIMITS = (1, 3600)
+SCRIPT_TIMEOUT = 60
+
+
+class DiscoveryError(RuntimeError):
+    """The discovery script failed or printed something that is not hosts."""
+
+
+def parse_discovered(text, default_slots):
+    """{host: slots}, in the order printed, from the discovery script's output."""
+    hosts = {}
+    for line in text.splitlines():
+        item = line.strip()
+        if not item:
+            continue
+        if ":" not in item:
+            item = f"{item}:{default_slots}"
+        try:
+            [(host, slots)] = parse_hosts(item)
+        except ValueError as error:
+            raise DiscoveryError(f"the host discovery script printed {line.strip()!r}: "
+                                 f"{error}") from None
+        hosts[host] = slots
+    return hosts
+
+
+class ScriptDiscovery:
+    """Hosts from --host-discovery-script."""
+
+    def __init__(self, script, default_slots):
+        self.script = script
+        self.default_slots = default_slots
+
+    def find(self):
+        try:
+            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
+                                  timeout=SCRIPT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise DiscoveryError(f"the host discovery script {self.script} ran longer "
+                                 f"than {SCRIPT_TIMEOUT} s") from None
+        if done.returncode:
+            raise DiscoveryError(f"the host discovery script {self.script} exited with "
+                                 f"code {done.returncode}: {done.stderr.strip()[-500:]}")
+        return parse_discovered(done.stdout, self.default_slots)
+
+
+class FixedHosts:
+    """The hosts of -H or --hostfile, with --min-np: a job that shrinks after losses."""
+
+    def __init__(self, hosts):
+        self.hosts = dict(hosts)
+
+    def find(self):
+        return dict(self.hosts)
+
+
+class Blacklist:
+    """Hosts left out after a rank on them was lost."""
+
+    def __init__(self, cooldown_range=None):
+        self.cooldown_range = cooldown_range
+        self.until = {}             # host -> end of its cooldown (inf: for good)
+        self.failures = {}
+
+    def add(self, host, now=None):
+        """Leave ``host`` out; returns for how many seconds (inf: for the rest of the job)."""
+        now = time.monotonic() if now is None else now
+        self.failures[host] = self.failures.get(host, 0) + 1
+        if self.cooldown_range is None:
+            seconds = float("inf")
+        else:
+            low, high = self.cooldown_range
+            delay = low * (1 << self.failures[host]) + random.uniform(0, 1) * low
+            seconds = max(low, min(high, delay))
+        self.until[host] = now + seconds
+        return seconds
+
+    def usable(self, hosts, now=None):
+        """``hosts`` ({host: slots}) without those in their cooldown."""
+        now = time.monotonic() if now is None else now
+        return {host: slots for host, slots in hosts.items()
+                if self.until.get(host, now) <= now}

@@ -1,0 +1,174 @@
+"""mpitrainrun's end of the lines its elastic ranks open (api/elastic_channel.py).
+
+One thread serves them all. It keeps, for the run in progress, the ranks'
+ends in the order they came: an unhandled exception, or a line that closed
+without a word (the rank was killed, or its host went down). The first of
+these says why the run ended: Open MPI cannot, since when one rank dies a
+rank on another host often aborts first and is the one it names. A line
+still open after mpirun has ended belongs to a host out of reach (powered
+off, or cut off from the network: nothing closed its connections), whose
+loss comes first whatever the others raised meanwhile (a stall's
+ShutdownError). Rank 0's
+messages (resumed from commit N, stopping at commit N for new hosts) are
+kept too, and the news that hosts changed goes to rank 0 through it.
+"""
+
+import dataclasses
+import selectors
+import socket
+import threading
+import time
+
+from mpitrain.runtime import elastic_job
+
+
+@dataclasses.dataclass
+class End:
+    """How a rank's part in a run ended: ``kind`` is "exception" or "lost"."""
+    kind: str
+    rank: int
+    detail: str = ""
+
+
+class _Peer:
+    def __init__(self, connection):
+        self.connection = connection
+        self.unread = b""
+        self.rank = None            # known once it said hello
+        self.restart = None
+        self.said_how_it_ends = False
+
+
+class RankLines:
+    """Accepts the ranks' lines and reads them in a thread of its own."""
+
+    def __init__(self, token, on_message):
+        self.token = token
+        self.on_message = on_message        # called with rank 0's resumed/stopping messages
+        self._server = socket.create_server(("0.0.0.0", 0))
+        self.port = self._server.getsockname()[1]
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._lock = threading.Lock()
+        self.restart = None
+        self.ends = []
+        self.stopping = None
+        self.generation = 0
+        self._rank_zero = None
+        threading.Thread(target=self._serve, daemon=True,
+                         name="mpitrainrun-rank-lines").start()
+
+    def address_for(self, host):
+        """host:port where ``host`` reaches this launcher: the address of the
+        interface the route to it leaves by."""
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))
+                return f"{probe.getsockname()[0]}:{self.port}"
+        except OSError:
+            return f"{socket.gethostbyname(socket.gethostname())}:{self.port}"
+
+    def start_run(self, restart):
+        with self._lock:
+            for peer in self._peers():          # lines to a host that is gone
+                self._selector.unregister(peer.connection)
+                peer.connection.close()
+            self.restart = restart
+            self.ends, self.stopping, self.generation = [], None, 0
+            self._rank_zero = None
+
+    def announce_hosts_changed(self):
+        """Tell rank 0 (now, or when it connects) that the hosts changed."""
+        with self._lock:
+            self.generation += 1
+            self._tell_rank_zero()
+
+    def _tell_rank_zero(self):
+        if self._rank_zero is not None and self.generation:
+            try:
+                self._rank_zero.connection.sendall(
+                    elastic_job.encode({"hosts_updated": self.generation}))
+            except OSError:
+                pass
+
+    def settle(self, seconds=5):
+        """After mpirun has ended: wait until every line of the run has been
+        read to its end (the processes are gone, so it comes at once)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(peer.restart == self.restart
+                           for peer in self._peers()):
+                    return
+            time.sleep(0.02)
+
+    def first_end(self):
+        """The first rank to go: one whose line is still open once mpirun has
+        ended (its host is out of reach: down, or cut off), else the first
+        to raise or to die."""
+        with self._lock:
+            unreachable = sorted(peer.rank for peer in self._peers()
+                                 if peer.restart == self.restart)
+            if unreachable:
+                return End("lost", unreachable[0])
+            return self.ends[0] if self.ends else None
+
+    def _peers(self):
+        return [key.data for key in self._selector.get_map().values()
+                if key.data is not None]
+
+    def _serve(self):
+        while True:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    connection, _ = self._server.accept()
+                    self._selector.register(connection, selectors.EVENT_READ,
+                                            _Peer(connection))
+                else:
+                    self._read(key.data)
+
+    def _read(self, peer):
+        try:
+            data = peer.connection.recv(1 << 16)
+        except OSError:
+            data = b""
+        with self._lock:
+            if not data:
+                self._closed(peer)
+                return
+            *lines, peer.unread = (peer.unread + data).split(b"\n")
+            for line in lines:
+                message = elastic_job.decode(line)
+                if message is not None and peer.connection.fileno() != -1:
+                    self._heard(peer, message)
+
+    def _closed(self, peer):
+        self._selector.unregister(peer.connection)
+        peer.connection.close()
+        if peer.restart == self.restart and not peer.said_how_it_ends:
+            self.ends.append(End("lost", peer.rank))
+        if peer is self._rank_zero:
+            self._rank_zero = None
+
+    def _heard(self, peer, message):
+        if peer.rank is None:
+            if message.get("token") != self.token or message.get("restart") != self.restart:
+                self._selector.unregister(peer.connection)   # a stranger, or a rank
+                peer.connection.close()                       # of an earlier run
+                return
+            peer.rank, peer.restart = message["rank"], message["restart"]
+            if peer.rank == 0:
+                self._rank_zero = peer
+                self._tell_rank_zero()
+            return
+        if peer.restart != self.restart:
+            return
+        if "exception" in message:
+            peer.said_how_it_ends = True
+            self.ends.append(End("exception", peer.rank, str(message["exception"])))
+        elif "exit" in message:
+            peer.said_how_it_ends = True
+        elif peer.rank == 0 and ("resumed" in message or "stopping" in message):
+            if "stopping" in message:
+                self.stopping = message
+            self.on_message(message)

@@ -1,0 +1,192 @@
+"""mpitrainrun's elastic mode across hosts (network namespaces, tests/hosts.py):
+a job that loses a host goes on with the others from its last commit, one
+that is offered a host grows at its next commit, one left with too few
+waits --elastic-timeout and ends, a loss in the middle of a commit's write
+resumes from the commit before, and Keras's fit resumes as torch's loop
+does. Each result is compared with a plain
+mpirun job started from the commit the elastic job resumed from, as the
+script itself saved it (tests/scripts/elastic_training.py)."""
+
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.mpi_harness import ROOT
+from tests.test_multihost import LAUNCHER, MPIRUN, hosts, run, succeeded  # noqa: F401
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "elastic_training.py")
+KERAS_SCRIPT = os.path.join(ROOT, "tests", "scripts", "elastic_keras_training.py")
+QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+# What mpitrainrun says when the job resumes: "resumed from commit 6 (epoch=1, batch=2)"
+RESUMED = re.compile(r"resumed from commit (\d+) \(epoch=(\d+), batch=(\d+)\)")
+
+
+def discovery(tmp_path, hosts, *indices):
+    """A discovery script that prints the lines of a file, which starts
+    with hosts ``indices``, one slot each; returns (script, the file)."""
+    listed = tmp_path / "hosts"
+    listed.write_text("".join(f"{hosts.addresses[i]}:1\n" for i in indices))
+    script = tmp_path / "discover_hosts.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    return str(script), str(listed)
+
+
+def elastic_job(hosts, tmp_path, flags, script_args, script=SCRIPT, timeout=240):
+    out = tmp_path / "elastic"
+    out.mkdir()
+    job = run([LAUNCHER, *flags, sys.executable, script, str(out), *script_args],
+              hosts, timeout)
+    return job, out
+
+
+def reference_job(hosts, tmp_path, indices, commit, script=SCRIPT, env=()):
+    """A plain mpirun job, one rank on each host of ``indices``, from ``commit``."""
+    out = tmp_path / "reference"
+    out.mkdir()
+    forwarded = [flag for name in ["OMP_NUM_THREADS", *dict(env)] for flag in ("-x", name)]
+    command = [MPIRUN, "-np", str(len(indices)), "-H",
+               ",".join(f"{hosts.addresses[i]}:1" for i in indices), *forwarded,
+               sys.executable, script, str(out), "--start-from", str(commit)]
+    succeeded(run(command, hosts, timeout=180, env=env))
+    return out
+
+
+def resumed_at(stderr):
+    found = RESUMED.findall(stderr)
+    assert len(found) == 1, stderr[-3000:]
+    return int(found[0][1]), int(found[0][2])
+
+
+def assert_same_model(elastic_out, reference_out):
+    got = torch.load(elastic_out / "final.pt")
+    want = torch.load(reference_out / "final.pt")
+    assert list(got) == list(want)
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
+def commits_left(hosts):
+    """The hosts' folders of elastic commits still in /dev/shm."""
+    return sorted(os.path.basename(folder) for name in hosts.hostnames
+                  for folder in glob.glob(f"/dev/shm/mpitrain-elastic-*/{name}"))
+
+
+@pytest.fixture
+def no_commits_left_behind(hosts):
+    yield
+    for name in hosts.hostnames:
+        for folder in glob.glob(f"/dev/shm/mpitrain-elastic-*/{name}"):
+            shutil.rmtree(os.path.dirname(folder), ignore_errors=True)
+
+
+def test_a_lost_host_leaves_the_job_on_the_others_from_the_last_commit(
+        hosts, tmp_path, no_commits_left_behind):
+    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
+    job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
+                                             "--host-discovery-script", script],
+                           ["--kill-at", "1:3"])
+    succeeded(job)
+    lost = hosts.addresses[2]
+    assert f"rank 2 on {lost} was lost" in job.stderr, job.stderr[-3000:]
+    assert (f"restart 1: 2 ranks on {hosts.addresses[0]}:1, {hosts.addresses[1]}:1"
+            in job.stderr), job.stderr[-3000:]
+    # Killed after epoch 1's third batch: the last commit was after its second.
+    assert resumed_at(job.stderr) == (1, 2)
+    assert "finished with 2 ranks after 1 restarts" in job.stdout
+    killed = float(re.search(r"killed at epoch 1 batch 3, time (\S+)", job.stdout).group(1))
+    resumed = float(re.search(r"first step after the restart done, time (\S+)",
+                              job.stdout).group(1))
+    print(f"from the kill to the first step after the restart: {resumed - killed:.1f} s")
+    assert 0 < resumed - killed < 60
+    reference = reference_job(hosts, tmp_path, [0, 1], out / "commit-r0-e1-b2.pt")
+    assert_same_model(out, reference)
+    # Removed from the hosts the job ended on; the lost host keeps its folder.
+    assert commits_left(hosts) == [hosts.hostnames[2]]
+
+
+def test_a_host_added_to_discovery_grows_the_job_at_its_next_commit(
+        hosts, tmp_path, no_commits_left_behind):
+    script, listed = discovery(tmp_path, hosts, 0, 1)
+    third = f"{hosts.addresses[2]}:1"
+    # Rank 0 adds the third host after epoch 0's second batch; each batch
+    # takes 0.3 s, so discovery, run every second, sees it within a few
+    # batches, and the job stops at the commit after that.
+    job, out = elastic_job(hosts, tmp_path,
+                           ["-np", "2", "--max-np", "3", "--host-discovery-script", script],
+                           ["--add-host-at", "0:2", listed, third, "--sleep", "0.3"])
+    succeeded(job)
+    assert f"hosts added: {third}: the job grows to 3 ranks at its next commit" \
+        in job.stderr, job.stderr[-3000:]
+    stopped = re.search(r"the job stopped at commit (\d+) \(epoch=(\d+), batch=(\d+)\) "
+                        "to take in the hosts there are now", job.stderr)
+    assert stopped, job.stderr[-3000:]
+    assert f"restart 1: 3 ranks on {hosts.addresses[0]}:1, {hosts.addresses[1]}:1, " \
+           f"{third}" in job.stderr
+    epoch, batch = resumed_at(job.stderr)
+    assert (epoch, batch) == (int(stopped.group(2)), int(stopped.group(3)))
+    assert (epoch, batch) >= (0, 2)
+    assert "finished with 3 ranks after 1 restarts" in job.stdout
+    reference = reference_job(hosts, tmp_path, [0, 1, 2],
+                              out / f"commit-r0-e{epoch}-b{batch}.pt")
+    assert_same_model(out, reference)
+    assert commits_left(hosts) == []
+
+
+def test_below_the_fewest_ranks_the_job_waits_the_elastic_timeout_then_ends(
+        hosts, tmp_path, no_commits_left_behind):
+    script, _ = discovery(tmp_path, hosts, 0, 1)
+    job, _ = elastic_job(hosts, tmp_path,
+                         ["-np", "2", "--min-np", "2", "--elastic-timeout", "3",
+                          "--host-discovery-script", script], ["--kill-at", "0:1"])
+    assert job.returncode == 1, job.stderr[-3000:]
+    lost, left = hosts.addresses[1], hosts.addresses[0]
+    assert f"rank 1 on {lost} was lost" in job.stderr, job.stderr[-3000:]
+    assert job.stderr.rstrip().endswith(
+        f"mpitrainrun: the job needs 2 slots to restart; discovery offers 1 usable "
+        f"({left}:1; {lost} left out) after waiting 3 s (--elastic-timeout): ending "
+        "the job"), job.stderr[-3000:]
+    assert "restart 1" not in job.stderr
+
+
+def test_a_loss_while_a_commit_is_written_resumes_from_the_commit_before(
+        hosts, tmp_path, no_commits_left_behind):
+    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
+    # The commit after epoch 1's second batch never finishes its write; the
+    # last rank dies at the next batch.
+    job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
+                                             "--host-discovery-script", script],
+                           ["--stall-write-at", "1:2"])
+    succeeded(job)
+    assert "killed at epoch 1 batch 3" in job.stdout
+    assert resumed_at(job.stderr) == (1, 0)         # the commit at the end of epoch 0
+    reference = reference_job(hosts, tmp_path, [0, 1], out / "commit-r0-e1-b0.pt")
+    assert_same_model(out, reference)
+
+
+def test_keras_a_lost_host_leaves_fit_on_the_others_from_the_last_commit(
+        hosts, tmp_path, no_commits_left_behind):
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("TensorFlow is not installed")
+    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
+    job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
+                                             "--host-discovery-script", script],
+                           ["--kill-at", "1:1"], KERAS_SCRIPT, timeout=300)
+    succeeded(job)
+    assert f"rank 2 on {hosts.addresses[2]} was lost" in job.stderr, job.stderr[-3000:]
+    # Keras commits at the ends of epochs: back to the end of epoch 0.
+    assert resumed_at(job.stderr) == (1, 0)
+    assert "finished with 2 ranks after 1 restarts" in job.stdout
+    reference = reference_job(hosts, tmp_path, [0, 1], out / "commit-r0-e1.npz",
+                              KERAS_SCRIPT, QUIET_TENSORFLOW)
+    got, want = np.load(out / "final.npz"), np.load(reference / "final.npz")
+    assert got.files == want.files
+    for name in got.files:
+        np.testing.assert_array_equal(got[name], want[name])
