@@ -80,10 +80,64 @@ def test_a_rank_that_raises_raises_in_the_caller_with_its_rank_and_traceback(tmp
     assert traceback.rstrip().endswith("ValueError: rank 1: the batch is corrupt")
 
 
-@pytest.mark.parametrize("argument", ["min_np", "max_np", "reset_limit", "ssh_port"])
-def test_horovods_elastic_and_ssh_arguments_are_refused_with_what_to_do(argument):
-    with pytest.raises(ValueError, match=f"mpitrain.run: {argument}=2 is not supported"):
+@pytest.mark.parametrize("argument", ["ssh_port", "ssh_identity_file", "output_filename"])
+def test_horovods_ssh_and_output_arguments_are_refused_with_what_to_do(argument):
+    with pytest.raises(ValueError, match=f"mpitrain.run: {argument}=2 is not supported: "
+                                         "give it to Open MPI through mpi_args"):
         mpitrain.run(print, np=2, **{argument: 2})
+
+
+@pytest.mark.parametrize("arguments, error", [
+    ({"min_num_proc": 2}, "--min-np needs the hosts to choose from"),
+    ({"reset_limit": 2}, "--reset-limit is for elastic jobs"),
+    ({"host_discovery_script": "./hosts.sh", "max_num_proc": 1},
+     "--max-np 1 is less than -np 2"),
+    ({"host_discovery_script": "./hosts.sh", "cooldown_range": (5, 1)},
+     "--blacklist-cooldown-range 5 1: give MIN <= MAX"),
+])
+def test_elastic_arguments_that_do_not_fit_are_refused_before_anything_starts(
+        arguments, error):
+    with pytest.raises(ValueError, match=f"mpitrain.run: .*{error}"):
+        mpitrain.run(print, num_proc=2, **arguments)
+
+
+ELASTIC = """
+import json, os, signal, sys
+import mpitrain
+
+def train():
+    import torch
+    import mpitrain.torch as hvd
+    hvd.init()
+    state = hvd.elastic.TorchState(step=0)
+
+    @hvd.elastic.run
+    def steps(state):
+        while state.step < 6:
+            if state.step == 4 and state.restarts == 0 and hvd.rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            hvd.allreduce(torch.ones(1), name="step")     # rank 0 waits here for rank 1
+            state.step += 1
+            state.commit()
+
+    steps(state)
+    return hvd.rank(), hvd.size(), state.restarts, state.step
+
+print(json.dumps(mpitrain.run(train, num_proc=2, host_discovery_script=sys.argv[1],
+                              min_num_proc=2, cooldown_range=[1, 1])))
+"""
+
+
+def test_an_elastic_run_returns_the_results_of_the_job_after_its_restart(tmp_path):
+    # One host of two slots: the lost rank's host comes back after a second.
+    hosts = tmp_path / "hosts.sh"
+    hosts.write_text("#!/bin/sh\necho localhost:2\n")
+    hosts.chmod(0o755)
+    job = caller(tmp_path, ELASTIC, hosts)
+    assert job.returncode == 0, job.stderr
+    assert "rank 1 on localhost was lost" in job.stderr
+    assert "resumed from commit 4 (step=4)" in job.stderr
+    assert json.loads(job.stdout.splitlines()[-1]) == [[0, 2, 1, 6], [1, 2, 1, 6]]
 
 
 def test_the_rank_count_must_be_a_whole_number_of_ranks():

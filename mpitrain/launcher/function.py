@@ -7,6 +7,11 @@ on every rank through mpitrainrun, and reads back each rank's return value,
 or the exception it raised with its traceback. The ranks find the directory
 by its path: on other hosts it must be on a shared file system, so for those
 it is made in the working directory instead of /tmp.
+
+Horovod's elastic arguments (min_num_proc, host_discovery_script, ...) make
+it an elastic job of mpitrainrun (docs/fault-tolerance.md): the function is
+called again in every run of the job, and the results are those of the
+ranks of the last run, however many they were.
 """
 
 import os
@@ -19,26 +24,16 @@ import warnings
 
 import cloudpickle
 
-from mpitrain.launcher import located_pickle
-from mpitrain.launcher.run import all_on_this_machine, parse_hosts, read_hostfile
+from mpitrain.launcher import elastic_arguments, located_pickle
+from mpitrain.launcher.run import (
+    all_on_this_machine, build_parser, parse_hosts, read_hostfile)
+from mpitrain.runtime import elastic_job
 
 FUNCTION = "function.pickle"
 
-# Horovod's arguments that have no meaning under a fixed MPI world, and what
-# to do instead; any value but None for them is refused.
+# Horovod's arguments that mpitrain has no use for, and what to do instead;
+# any value but None for them is refused.
 UNSUPPORTED = {
-    "min_num_proc": "elastic launches are not provided: the MPI world is fixed "
-                    "(docs/fault-tolerance.md)",
-    "max_num_proc": "elastic launches are not provided: the MPI world is fixed",
-    "min_np": "elastic launches are not provided: the MPI world is fixed "
-              "(docs/fault-tolerance.md)",
-    "max_np": "elastic launches are not provided: the MPI world is fixed",
-    "host_discovery_script": "elastic launches are not provided: the MPI world is fixed",
-    "slots": "elastic launches are not provided; give slots per host in "
-             "hosts='node1:2,node2:2'",
-    "reset_limit": "elastic launches are not provided; hvd.elastic.run's resets "
-                   "are limited by MPITRAIN_ELASTIC_RESET_LIMIT",
-    "cooldown_range": "elastic launches are not provided: the MPI world is fixed",
     "ssh_port": "give it to Open MPI through mpi_args, e.g. "
                 "mpi_args='--mca plm_rsh_args \"-p 2222\"'",
     "ssh_identity_file": "give it to Open MPI through mpi_args, e.g. "
@@ -46,7 +41,6 @@ UNSUPPORTED = {
     "output_filename": "give it to Open MPI through mpi_args, e.g. "
                        "mpi_args='--output-filename logs'",
 }
-
 
 class RankError(RuntimeError):
     """A rank of ``mpitrain.run`` raised: ``rank`` is the first that did,
@@ -70,9 +64,12 @@ def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=
     As Horovod's ``horovod.run``: ``hosts`` ('node1:2,node2:2') or
     ``hostfile`` say where, ``mpi_args``, ``network_interfaces`` and
     ``verbose`` go to the launcher, ``executable`` is the Python the ranks
-    run (default: this one); ``np``, ``min_np``, ``max_np`` and
-    ``network_interface`` (a comma-separated string) are Horovod's deprecated
-    spellings, accepted with its DeprecationWarning. ``start_timeout`` and
+    run (default: this one); ``min_num_proc``, ``max_num_proc``,
+    ``host_discovery_script``, ``slots``, ``reset_limit`` and
+    ``cooldown_range`` make it an elastic job, as mpitrainrun's flags of
+    those names; ``np``, ``min_np``, ``max_np`` and ``network_interface``
+    (a comma-separated string) are Horovod's deprecated spellings, accepted
+    with its DeprecationWarning. ``start_timeout`` and
     ``disable_cache`` are accepted and have no effect: mpirun starts the
     ranks itself, and there is no host check to cache. A rank that raises
     makes this raise RankError with its rank and traceback; a job that fails
@@ -91,6 +88,14 @@ def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=
     if np is not None:
         warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, 2)
         num_proc, count_name = np, "np"
+    if min_np is not None:
+        warnings.warn("min_np is deprecated, use min_num_proc instead",
+                      DeprecationWarning, 2)
+        min_num_proc = min_np
+    if max_np is not None:
+        warnings.warn("max_np is deprecated, use max_num_proc instead",
+                      DeprecationWarning, 2)
+        max_num_proc = max_np
     if network_interface:
         warnings.warn("network_interface is deprecated, use network_interfaces instead",
                       DeprecationWarning, 2)
@@ -106,16 +111,22 @@ def run(func, args=(), kwargs=None, num_proc=1, min_num_proc=None, max_num_proc=
     with tempfile.TemporaryDirectory(prefix="mpitrain-run-", dir=where) as directory:
         with open(os.path.join(directory, FUNCTION), "wb") as file:
             located_pickle.dump((func, tuple(args), dict(kwargs or {})), file)
+        command = launcher_command(
+            num_proc, hosts, hostfile, mpi_args, ",".join(network_interfaces or []), verbose,
+            {"--min-np": min_num_proc, "--max-np": max_num_proc,
+             "--host-discovery-script": host_discovery_script, "--slots": slots,
+             "--reset-limit": reset_limit, "--blacklist-cooldown-range": cooldown_range})
+        check_elastic_arguments(command)
         code = subprocess.call(
-            launcher_command(num_proc, hosts, hostfile, mpi_args,
-                             ",".join(network_interfaces or []), verbose)
-            + [executable or sys.executable, "-m", __name__, directory],
+            command + [executable or sys.executable, "-m", __name__, directory],
             env=rank_environment(executable))
-        outcomes = [read_outcome(directory, rank) for rank in range(num_proc)]
+        outcomes = read_outcomes(directory, num_proc)
     return results_or_raise(outcomes, code)
 
 
-def launcher_command(np, hosts, hostfile, mpi_args, network_interface, verbose):
+def launcher_command(np, hosts, hostfile, mpi_args, network_interface, verbose,
+                     elastic=()):
+    """The mpitrainrun command; ``elastic``: {flag: value or None}."""
     line = [sys.executable, "-m", "mpitrain.launcher.run", "-np", str(np)]
     if hosts:
         line += ["-H", hosts]
@@ -127,7 +138,21 @@ def launcher_command(np, hosts, hostfile, mpi_args, network_interface, verbose):
         line += ["--network-interface", network_interface]
     if verbose:
         line.append("--verbose")
+    for flag, value in dict(elastic).items():
+        if value is not None:
+            line += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
     return line
+
+
+def check_elastic_arguments(command):
+    """Refuse, as a ValueError, elastic arguments mpitrainrun would refuse."""
+    parser = build_parser()
+
+    def refuse(message):
+        raise ValueError(f"mpitrain.run: {message}")
+
+    parser.error = refuse
+    elastic_arguments.check(parser, parser.parse_args(command[3:] + ["python"]))
 
 
 def rank_environment(executable):
@@ -141,13 +166,19 @@ def rank_environment(executable):
     return env
 
 
-def read_outcome(directory, rank):
-    """('result', value), ('error', traceback text) or None if the rank wrote none."""
-    try:
-        with open(os.path.join(directory, f"outcome.{rank}"), "rb") as file:
-            return pickle.load(file)
-    except FileNotFoundError:
-        return None
+def read_outcomes(directory, num_proc):
+    """Each rank's ('result', value), ('error', traceback text) or None if it
+    wrote none: the ranks of the job's last run (an elastic job's runs may
+    have other sizes than num_proc)."""
+    written = {}
+    for name in os.listdir(directory):
+        if name.startswith("outcome.") and not name.endswith(".part"):
+            _, run, rank = name.split(".")
+            with open(os.path.join(directory, name), "rb") as file:
+                written.setdefault(int(run), {})[int(rank)] = pickle.load(file)
+    last = written.get(max(written, default=0), {})
+    size = max([outcome[2] for outcome in last.values()], default=num_proc)
+    return [last[rank][:2] if rank in last else None for rank in range(size)]
 
 
 def results_or_raise(outcomes, code):
@@ -166,16 +197,27 @@ def results_or_raise(outcomes, code):
 
 
 def this_rank():
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+    return _from_mpirun(("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"), "rank")
+
+
+def size_of_job():
+    return _from_mpirun(("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), "job size")
+
+
+def _from_mpirun(names, what):
+    for name in names:
         if name in os.environ:
             return int(os.environ[name])
     raise RuntimeError("mpitrain.launcher.function runs under mpirun, started by "
-                       "mpitrain.run(); found no rank in the environment")
+                       f"mpitrain.run(); found no {what} in the environment")
 
 
 def write_outcome(directory, rank, outcome):
-    """Written under a temporary name and renamed, so the caller never reads half."""
-    path = os.path.join(directory, f"outcome.{rank}")
+    """Written under a temporary name and renamed, so the caller never reads
+    half; the name holds the number of the run, the outcome the job's size."""
+    job = elastic_job.this_job()
+    path = os.path.join(directory, f"outcome.{job.restarts if job else 0}.{rank}")
+    outcome += (size_of_job(),)
     with open(path + ".part", "wb") as file:
         try:
             cloudpickle.dump(outcome, file)
@@ -183,11 +225,12 @@ def write_outcome(directory, rank, outcome):
             file.seek(0)
             file.truncate()
             cloudpickle.dump(("error", "the return value cannot be pickled:\n"
-                              + traceback.format_exc()), file)
+                              + traceback.format_exc(), outcome[2]), file)
     os.replace(path + ".part", path)
 
 
 def main(directory):
+    from mpitrain.api.elastic import RestartForNewHosts
     rank = this_rank()
     path = os.path.join(directory, FUNCTION)
     try:
@@ -199,6 +242,8 @@ def main(directory):
             "directory of mpitrain.run on a shared file system") from None
     try:
         value = func(*args, **kwargs)
+    except RestartForNewHosts:
+        raise                    # the job's next run calls the function again
     except BaseException as error:
         # The traceback from the function on, without this module's frame.
         text = "".join(traceback.format_exception(
