@@ -101,3 +101,18 @@ def test_a_mismatch_in_a_graph_fails_every_rank_with_mpitrains_message():
             assert running.run(hvd.allreduce(tf.ones([2]), op=hvd.Sum)).tolist() == \
                 [hvd.size()] * 2
     assert "'uneven.shapes'" in str(caught.value)
+
+
+@mpi_test(env=TF_ENV, timeout=120)
+def test_gradients_in_a_graph_run_the_backward_collectives_on_every_rank():
+    # A rank whose broadcast gradient is zeros still takes part in the allreduce
+    # the root's gradient needs (Horovod's test_horovod_broadcast_grad_cpu).
+    r, n = hvd.rank(), hvd.size()
+    with tf.Graph().as_default():
+        x = tf.fill([3], float(r))
+        grads = [tf.gradients(hvd.broadcast(x, root), x, tf.fill([3], r + 1.0))[0]
+                 for root in range(n)]
+        with session() as running:
+            for root, got in enumerate(running.run(grads)):
+                average = sum(k + 1.0 for k in range(n)) / n
+                assert got.tolist() == [average if r == root else 0.0] * 3

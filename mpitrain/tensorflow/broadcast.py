@@ -68,7 +68,12 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
             # the average of the gradients (Horovod's convention, the gradient
             # of the ranks' average loss), the other inputs none.
             averaged = reduce_dense([upstream], Average, 1.0, 1.0, None, process_set)[0]
-            return averaged if is_root(root_rank, process_set) else tf.zeros_like(averaged)
+            if is_root(root_rank, process_set):
+                return averaged
+            # A session runs only what its fetches need, and zeros of a known
+            # shape need nothing: the dependency keeps this rank in the allreduce.
+            with tf.control_dependencies([averaged]):
+                return tf.zeros_like(upstream)
         return send_from_root([value], root_rank, name, process_set)[0], gradient
     # send_from_root names a named tensor as the one member of a group
     count = None if name is None else 1
