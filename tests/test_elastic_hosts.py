@@ -2,8 +2,8 @@
 a job that loses a host goes on with the others from its last commit, one
 that is offered a host grows at its next commit, one left with too few
 waits --elastic-timeout and ends, a loss in the middle of a commit's write
-resumes from the commit before, and Keras's fit resumes as torch's loop
-does. Each result is compared with a plain
+resumes from the commit before, a host cut off from the network is left out
+as a killed rank's is, and Keras's fit resumes as torch's loop does. Each result is compared with a plain
 mpirun job started from the commit the elastic job resumed from, as the
 script itself saved it (tests/scripts/elastic_training.py)."""
 
@@ -12,6 +12,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -39,11 +40,11 @@ def discovery(tmp_path, hosts, *indices):
     return str(script), str(listed)
 
 
-def elastic_job(hosts, tmp_path, flags, script_args, script=SCRIPT, timeout=240):
+def elastic_job(hosts, tmp_path, flags, script_args, script=SCRIPT, timeout=240, env=()):
     out = tmp_path / "elastic"
     out.mkdir()
     job = run([LAUNCHER, *flags, sys.executable, script, str(out), *script_args],
-              hosts, timeout)
+              hosts, timeout, env)
     return job, out
 
 
@@ -110,6 +111,31 @@ def test_a_lost_host_leaves_the_job_on_the_others_from_the_last_commit(
     assert_same_model(out, reference)
     # Removed from the hosts the job ended on; the lost host keeps its folder.
     assert commits_left(hosts) == [hosts.hostnames[2]]
+
+
+def test_a_host_cut_off_from_the_network_is_left_out_and_the_job_goes_on(
+        hosts, tmp_path, no_commits_left_behind):
+    """The survivors' collectives give up after the stall shutdown time (5 s
+    here), but Open MPI then waits forever for the host it cannot reach:
+    mpitrainrun ends mpirun and starts the job again without that host, whose
+    line to it never closed."""
+    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
+    try:
+        job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
+                                                 "--host-discovery-script", script],
+                               ["--cut-link-at", "1:3", hosts.interface], timeout=300,
+                               env={"MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "5"})
+    finally:
+        subprocess.run(["ip", "-n", hosts.namespaces[2], "link", "set", hosts.interface,
+                        "up"], check=True)
+        hosts.kill_processes()             # what was left running on the cut host
+    succeeded(job)
+    assert "rank 2 cuts its host off at epoch 1 batch 3" in job.stdout
+    assert "mpirun has not ended 30 s after a rank did: ending it" in job.stderr
+    assert f"rank 2 on {hosts.addresses[2]} was lost" in job.stderr, job.stderr[-3000:]
+    assert resumed_at(job.stderr) == (1, 2)
+    reference = reference_job(hosts, tmp_path, [0, 1], out / "commit-r0-e1-b2.pt")
+    assert_same_model(out, reference)
 
 
 def test_a_host_added_to_discovery_grows_the_job_at_its_next_commit(

@@ -36,6 +36,9 @@ from mpitrain.launcher.run import warn as say
 from mpitrain.runtime import config, elastic_job
 
 DISCOVERY_INTERVAL = 1.0            # seconds between discovery runs, as Horovod's
+# Seconds mpirun may outlive a rank's end: it ends the others within one when
+# it can reach them all.
+ABANDON_AFTER = 30
 
 
 def main(parser, args, hosts, environ, variables, mpirun, flavor):
@@ -133,14 +136,14 @@ class Supervisor:
         if self.args.verbose:
             launcher.warn(launcher.shown(line, env, self.environ))
         self.lines.start_run(self.restarts)
-        watching = threading.Event()
-        watcher = threading.Thread(target=self.watch, args=(layout, watching), daemon=True,
-                                   name="mpitrainrun-discovery")
+        watching, abandon = threading.Event(), threading.Event()
+        watcher = threading.Thread(target=self.watch, args=(layout, watching, abandon),
+                                   daemon=True, name="mpitrainrun-discovery")
         watcher.start()
         tagged = not self.args.no_tag_output and self.flavor in launcher.TAG_OUTPUT
         try:
             code, sentences, reports = launcher.run_with_reports(
-                line, env, local, tagged, self.args.verbose)
+                line, env, local, tagged, self.args.verbose, abandon)
         finally:
             watching.set()
             watcher.join()
@@ -218,23 +221,38 @@ class Supervisor:
                 left -= take
         return layout if sum(layout.values()) >= slots else None
 
-    def watch(self, layout, stop):
-        """While a run goes on: tell rank 0 once when the hosts changed."""
+    def watch(self, layout, stop, abandon):
+        """While a run goes on: tell rank 0 once when the hosts changed, and
+        end mpirun if it outlives a rank's end by ABANDON_AFTER seconds
+        (Open MPI waits forever for a host it cannot reach)."""
+        announced = False
         while not stop.wait(DISCOVERY_INTERVAL):
-            usable = self.blacklist.usable(self.discover())
-            removed = [host for host, ranks in layout.items() if usable.get(host, 0) < ranks]
-            grown = self.layout(usable, 1)
-            added = [host for host in (grown or {}) if grown[host] > layout.get(host, 0)]
-            if removed:
-                say(f"host{'s' if len(removed) > 1 else ''} {', '.join(removed)} left "
-                    "discovery: the job restarts without them at its next commit")
-            elif added and sum(grown.values()) > sum(layout.values()):
-                say(f"hosts added: {slots_text({h: usable[h] for h in added})}: the job "
-                    f"grows to {sum(grown.values())} ranks at its next commit")
-            else:
-                continue
-            self.lines.announce_hosts_changed()
-            return
+            since = self.lines.seconds_since_an_end()
+            if since is not None and since > ABANDON_AFTER:
+                say(f"mpirun has not ended {ABANDON_AFTER} s after a rank did: ending it "
+                    "(it waits for a host it cannot reach)")
+                abandon.set()
+                return
+            if not announced:
+                announced = self.announce_changes(layout)
+
+    def announce_changes(self, layout):
+        """Tell rank 0 if hosts of ``layout`` left discovery, or if it offers
+        more slots the job could grow to; returns whether it did."""
+        usable = self.blacklist.usable(self.discover())
+        removed = [host for host, ranks in layout.items() if usable.get(host, 0) < ranks]
+        grown = self.layout(usable, 1)
+        added = [host for host in (grown or {}) if grown[host] > layout.get(host, 0)]
+        if removed:
+            say(f"host{'s' if len(removed) > 1 else ''} {', '.join(removed)} left "
+                "discovery: the job restarts without them at its next commit")
+        elif added and sum(grown.values()) > sum(layout.values()):
+            say(f"hosts added: {slots_text({h: usable[h] for h in added})}: the job "
+                f"grows to {sum(grown.values())} ranks at its next commit")
+        else:
+            return False
+        self.lines.announce_hosts_changed()
+        return True
 
     def heard(self, message):
         """Rank 0's news of where the job resumed, said as it comes."""

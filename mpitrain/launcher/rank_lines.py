@@ -28,6 +28,7 @@ class End:
     kind: str
     rank: int
     detail: str = ""
+    at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _Peer:
@@ -101,6 +102,11 @@ class RankLines:
                            for peer in self._peers()):
                     return
             time.sleep(0.02)
+
+    def seconds_since_an_end(self):
+        """How long ago the first rank of the run ended, or None."""
+        with self._lock:
+            return time.monotonic() - self.ends[0].at if self.ends else None
 
     def first_end(self):
         """The first rank to go: one whose line is still open once mpirun has

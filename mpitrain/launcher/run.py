@@ -345,10 +345,11 @@ class Stopping(Exception):
     """A signal, forwarded to mpirun, ends the job."""
 
 
-def run(line, env, tagged, verbose):
+def run(line, env, tagged, verbose, abandon=None):
     """Run mpirun with its output through output.py; returns its exit code
     (128 + N if signal N ended it or mpitrainrun) and what Open MPI's boxes
-    said about how the job ended (None if a signal to mpitrainrun ended it)."""
+    said about how the job ended (None if a signal to mpitrainrun ended it).
+    Setting ``abandon`` (a threading.Event) ends mpirun."""
     out = output.Passage(tagged, drop_notices=False, show_boxes=verbose)
     err = output.Passage(tagged, drop_notices=quiet.wanted(env), show_boxes=verbose)
     sys.stdout.flush()
@@ -368,7 +369,7 @@ def run(line, env, tagged, verbose):
     try:
         for number in FORWARDED_SIGNALS:
             signal.signal(number, forward)
-        code = process.wait()
+        code = wait_unless(process, abandon)
     except (KeyboardInterrupt, Stopping):
         if received:
             warn(f"{signal.Signals(received[0]).name}: ending the job")
@@ -388,6 +389,19 @@ def run(line, env, tagged, verbose):
     return 128 - code if code < 0 else code, out.sentences + err.sentences
 
 
+def wait_unless(process, abandon):
+    """process.wait(); but once ``abandon`` is set, SIGTERM the process, and
+    SIGKILL it 10 s later (mpirun waiting for a host it cannot reach)."""
+    while abandon is not None and process.poll() is None:
+        if abandon.wait(0.5):
+            process.terminate()
+            try:
+                return process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return process.wait()
+
+
 def warn_before_start(env, environ, local, nprocs):
     """What the user should know before the ranks start: that mpitrainrun
     let Open MPI run as root, and that the ranks share cores."""
@@ -398,12 +412,12 @@ def warn_before_start(env, environ, local, nprocs):
              "ranks share cores and each runs slower")
 
 
-def run_with_reports(line, env, local, tagged, verbose):
+def run_with_reports(line, env, local, tagged, verbose, abandon=None):
     """run(), and the reports of the ranks that aborted the job ({rank: report})."""
     with tempfile.TemporaryDirectory(prefix="mpitrainrun-") as directory:
         if local:           # ranks on other hosts cannot write here
             env = {**env, launch_report.VARIABLE: directory}
-        code, sentences = run(line, env, tagged, verbose)
+        code, sentences = run(line, env, tagged, verbose, abandon)
         return code, sentences, launch_report.reports(directory)
 
 

@@ -1,16 +1,18 @@
 """A Horovod elastic training script (TorchState, ElasticSampler, commit),
 with ways to hurt it, for tests/test_elastic_hosts.py.
 
-    elastic_training.py OUT [--kill-at E:B] [--stall-write-at E:B]
-                            [--add-host-at E:B HOSTS_FILE LINE] [--sleep S]
-                            [--start-from FILE]
+    elastic_training.py OUT [--kill-at E:B] [--cut-link-at E:B INTERFACE]
+                            [--stall-write-at E:B] [--add-host-at E:B HOSTS_FILE LINE]
+                            [--sleep S] [--start-from FILE]
 
 Rank 0 prints the time of its first step after a restart; the rank killed
 prints the time it was killed. Epoch E's batch B is the B-th batch the job trains in epoch E (counted
 from 1, across restarts). Rank 0 saves the state it is about to commit to
 OUT/commit-r<restarts>-e<E>-b<B>.pt, and the final model to OUT/final.pt.
 In the job's first run only: --kill-at SIGKILLs the last rank after that
-batch's backward pass; --stall-write-at makes that commit's write to the
+batch's backward pass; --cut-link-at has the last rank take its host's
+network INTERFACE down there instead (a host cut off: nothing it had open
+is closed, and it goes on waiting); --stall-write-at makes that commit's write to the
 hosts' files hang (the state holds a value that takes a minute to pickle),
 and the last rank is killed at the next batch; --add-host-at appends LINE
 to the discovery script's HOSTS_FILE. --start-from loads a saved commit
@@ -20,6 +22,7 @@ first: a reference run, under plain mpirun.
 import argparse
 import os
 import signal
+import subprocess
 import time
 
 import torch
@@ -37,6 +40,7 @@ def point(text):
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--kill-at", type=point)
+parser.add_argument("--cut-link-at", nargs=2)
 parser.add_argument("--stall-write-at", type=point)
 parser.add_argument("--add-host-at", nargs=3)
 parser.add_argument("--sleep", type=float, default=0)
@@ -107,6 +111,12 @@ def train(state):
                 print(f"rank {hvd.rank()} killed at epoch {here[0]} batch {here[1]}, "
                       f"time {time.time()}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if first_run and args.cut_link_at and here == point(args.cut_link_at[0]) \
+                    and hvd.rank() == hvd.size() - 1:
+                print(f"rank {hvd.rank()} cuts its host off at epoch {here[0]} batch "
+                      f"{here[1]}", flush=True)
+                time.sleep(1)                   # for the line to reach mpirun first
+                subprocess.run(["ip", "link", "set", args.cut_link_at[1], "down"], check=True)
             state.optimizer.step()
             if first_step_after_restart and hvd.rank() == 0:
                 print(f"first step after the restart done, time {time.time()}", flush=True)
