@@ -48,6 +48,15 @@ def elastic_job(hosts, tmp_path, flags, script_args, script=SCRIPT, timeout=240,
     return job, out
 
 
+def three_hosts_then_two(hosts, tmp_path, script_args, script=SCRIPT, **options):
+    """An elastic job of one rank on each of the three hosts, which may go on
+    with two (--min-np 2); returns (job, the script's output folder)."""
+    discover, _ = discovery(tmp_path, hosts, 0, 1, 2)
+    return elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
+                                         "--host-discovery-script", discover],
+                       script_args, script, **options)
+
+
 def reference_job(hosts, tmp_path, indices, commit, script=SCRIPT, env=()):
     """A plain mpirun job, one rank on each host of ``indices``, from ``commit``."""
     out = tmp_path / "reference"
@@ -90,10 +99,7 @@ def no_commits_left_behind(hosts):
 
 def test_a_lost_host_leaves_the_job_on_the_others_from_the_last_commit(
         hosts, tmp_path, no_commits_left_behind):
-    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
-    job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
-                                             "--host-discovery-script", script],
-                           ["--kill-at", "1:3"])
+    job, out = three_hosts_then_two(hosts, tmp_path, ["--kill-at", "1:3"])
     succeeded(job)
     lost = hosts.addresses[2]
     assert f"rank 2 on {lost} was lost" in job.stderr, job.stderr[-3000:]
@@ -119,12 +125,11 @@ def test_a_host_cut_off_from_the_network_is_left_out_and_the_job_goes_on(
     here), but Open MPI then waits forever for the host it cannot reach:
     mpitrainrun ends mpirun and starts the job again without that host, whose
     line to it never closed."""
-    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
     try:
-        job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
-                                                 "--host-discovery-script", script],
-                               ["--cut-link-at", "1:3", hosts.interface], timeout=300,
-                               env={"MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "5"})
+        job, out = three_hosts_then_two(hosts, tmp_path,
+                                        ["--cut-link-at", "1:3", hosts.interface],
+                                        timeout=300,
+                                        env={"MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "5"})
     finally:
         subprocess.run(["ip", "-n", hosts.namespaces[2], "link", "set", hosts.interface,
                         "up"], check=True)
@@ -184,12 +189,9 @@ def test_below_the_fewest_ranks_the_job_waits_the_elastic_timeout_then_ends(
 
 def test_a_loss_while_a_commit_is_written_resumes_from_the_commit_before(
         hosts, tmp_path, no_commits_left_behind):
-    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
     # The commit after epoch 1's second batch never finishes its write; the
     # last rank dies at the next batch.
-    job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
-                                             "--host-discovery-script", script],
-                           ["--stall-write-at", "1:2"])
+    job, out = three_hosts_then_two(hosts, tmp_path, ["--stall-write-at", "1:2"])
     succeeded(job)
     assert "killed at epoch 1 batch 3" in job.stdout
     assert resumed_at(job.stderr) == (1, 0)         # the commit at the end of epoch 0
@@ -201,10 +203,8 @@ def test_keras_a_lost_host_leaves_fit_on_the_others_from_the_last_commit(
         hosts, tmp_path, no_commits_left_behind):
     if importlib.util.find_spec("tensorflow") is None:
         pytest.skip("TensorFlow is not installed")
-    script, _ = discovery(tmp_path, hosts, 0, 1, 2)
-    job, out = elastic_job(hosts, tmp_path, ["-np", "3", "--min-np", "2",
-                                             "--host-discovery-script", script],
-                           ["--kill-at", "1:1"], KERAS_SCRIPT, timeout=300)
+    job, out = three_hosts_then_two(hosts, tmp_path, ["--kill-at", "1:1"], KERAS_SCRIPT,
+                                    timeout=300)
     succeeded(job)
     assert f"rank 2 on {hosts.addresses[2]} was lost" in job.stderr, job.stderr[-3000:]
     # Keras commits at the ends of epochs: back to the end of epoch 0.

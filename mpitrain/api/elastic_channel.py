@@ -14,8 +14,9 @@ elastic state is made, and says who it is. Through the line:
   another host often aborts first ("Socket closed") and Open MPI names that
   one.
 
-A rank that cannot reach the launcher warns and trains on: the job still
-restarts after a loss, but it grows only at restarts.
+A rank that cannot reach the launcher warns and trains on: the launcher
+then knows a loss only from Open MPI's report (a rank killed by a signal),
+and the job takes in new hosts only when it restarts.
 """
 
 import atexit
