@@ -62,6 +62,9 @@ def main():
     output = os.path.join(outdir, f"rank{rank}.json")
 
     def report(name, status, message):
+        earlier = results.get(name, {})
+        if earlier.get("status") == "failed":   # keep why, when it then waits for the others
+            message = f"{earlier['message']}\nthen {message}"
         results[name] = {"status": status, "message": message}
         with open(output + ".tmp", "w") as stream:
             json.dump(results, stream)
