@@ -14,6 +14,10 @@ from mpitrain.tensorflow.packed import PACKABLE, PackedReducer, streamed
 from mpitrain.tensorflow.primitives import allreduce_arrays
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
 
+# Ids of the process sets whose ranks agreed that none of them chooses a
+# compressor per gradient (GradientReducer._agree).
+_AGREED_THAT_NONE_CHOOSES = set()
+
 
 class GradientReducer:
     """Reduces lists of gradients (None entries pass through) with fixed settings.
@@ -151,18 +155,31 @@ class GradientReducer:
         """An op, run before the exchanges, that fails on every rank unless every
         rank chose the same compressor, with the same settings, for each gradient
         (else payloads that cannot be read together meet, or an exchange waits
-        forever for a rank that sends the gradient uncompressed). Every step: a
-        rank may trace its step again alone (a last, smaller batch)."""
+        forever for a rank that sends the gradient uncompressed).
+
+        With a choice per gradient it checks every step: a rank may trace its
+        step again alone (a last, smaller batch), and a choice may depend on
+        the shape. Without one, the ranks check once per process set: once
+        they agreed that no rank chooses (an unchosen gradient says
+        "uncompressed", a chooser's "uncompressed by choice"), every rank
+        knows that none does, so all of them skip the check from then on.
+        """
         if self.process_set.size() == 1 or not choices:
             return []
-        settings = {i: "uncompressed" if compressor is None else repr(compressor)
+        unchosen = "uncompressed" if self.choose is None else "uncompressed by choice"
+        settings = {i: unchosen if compressor is None else repr(compressor)
                     for i, (_, compressor) in choices.items()}
         labels = {i: f"the compressor of '{name}'" for i, (name, _) in choices.items()}
         name = graph_op.collective_name(None, "compression") or "mpitrain.compression"
+        process_set_id = self.process_set.process_set_id
 
         def body(arrays):
+            if self.choose is None and process_set_id in _AGREED_THAT_NONE_CHOOSES:
+                return arrays
             require_same("compression=...", settings, name, self.process_set,
                          labels=labels)
+            if self.choose is None:
+                _AGREED_THAT_NONE_CHOOSES.add(process_set_id)
             return arrays
         return graph_op.run(body, [tf.zeros((), tf.int32)], [tf.int32], [()],
                             "compression check")
