@@ -7,24 +7,29 @@ Run on 2 ranks (3 or more work too; say when they share cores):
 Every figure is the time of the slowest rank, the median of repetitions in
 which the variants take turns, so all variants see the same machine state.
 Sections:
-  targets  ~120 float32 tensors totalling 64 MiB (sizes like a model's
-           weights and biases), and 200 tensors of 16 KiB, each set reduced
-           in both call forms: in place (output=a, as DistributedOptimizer
-           does) and out of place (a new result per tensor, held until the
-           next repetition as a user's loop holds it); both against one
-           in-place Allreduce of a preallocated buffer of the same bytes
-           (64 MiB; 3.2 MB). Times carry their range over repetitions, and
-           ratios are taken per repetition, against that repetition's raw
-           call, then summarised the same way;
+  targets  the gradients of real models (benchmarks/models.py: ResNet-50,
+           BERT-base, GPT-2 small, and a 64 MiB set whose tensor sizes grow
+           geometrically) and 200 tensors of 16 KiB, each set reduced in both
+           call forms: in place (output=a, as DistributedOptimizer does) and
+           out of place (a new result per tensor, held until the next
+           repetition as a user's loop holds it); both against one in-place
+           Allreduce of a preallocated buffer of the same bytes. Times carry
+           their range over repetitions, and ratios are taken per
+           repetition, against that repetition's raw call, then summarised
+           the same way. One launch is one sample of what is decided once per
+           launch: benchmarks/launches.py runs several and reports the spread;
   sweep    bus bandwidth against message size for one tensor (mpitrain, raw
            mpi4py, gloo) and for the same bytes split like a model (mpitrain);
   idle     the CPU share of an idle rank over 10 s;
-  memory   resident memory of a rank across 1000 steps of both target sets,
-           counted from step 100 (allocations per step would show as growth).
-With --out, also writes allreduce.md (tables) and allreduce.png (plot).
+  memory   resident memory of a rank across 1000 steps of the geometric set,
+           in place and out of place, counted from step 100 (allocations per
+           step would show as growth), and the page faults per step.
+With --out, also writes allreduce.md (tables) and allreduce.png (plot);
+with --json, the targets' times per repetition.
 """
 
 import argparse
+import json
 import os
 import resource
 import socket
@@ -36,6 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
+from models import SETS, describe, gradient_set
 
 KiB, MiB = 1 << 10, 1 << 20
 SWEEP = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
@@ -156,17 +162,22 @@ def resident_kib():
 
 
 def memory_growth(world, steps):
-    """KiB the busiest rank's resident set grew from step steps/10 to the end."""
-    step_fns = [mpitrain_in_place(model_like(64 * MiB), "memory.model"),
-                mpitrain_in_place([np.ones(4096, np.float32) for _ in range(200)],
-                                  "memory.small")]
-    before = None
+    """(KiB the busiest rank's resident set grew from step steps/10 to the
+    end, minor page faults per step over the same steps, busiest rank) of
+    the geometric set reduced in place and out of place, step after step."""
+    arrays = gradient_set("geometric")
+    step_fns = [mpitrain_in_place(arrays, "memory.in"),
+                mpitrain_out_of_place(arrays, "memory.out")]
+    before = faults = None
     for step in range(steps):
         if step == steps // 10:
             before = resident_kib()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for fn in step_fns:
             fn()
-    return world.allreduce(resident_kib() - before, op=MPI.MAX)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return (world.allreduce(resident_kib() - before, op=MPI.MAX),
+            world.allreduce(faults, op=MPI.MAX) / (steps - steps // 10))
 
 
 class TargetRow(NamedTuple):
@@ -181,22 +192,32 @@ CALL_FORMS = {"in place (output=a)": mpitrain_in_place,
               "out of place": mpitrain_out_of_place}
 
 
-def targets(world, repetitions):
-    """Both call forms of both target sets, each against one raw call of the
-    same bytes, all taking turns within each repetition."""
-    model = model_like(64 * MiB)
-    small = [np.ones(4096, np.float32) for _ in range(200)]
+def target_sets(names):
+    """(case, the arrays, the raw call's bytes) of each set named, one at a
+    time: the large ones take half a GiB each."""
+    for name in names:
+        if name == "small":
+            arrays = [np.ones(4096, np.float32) for _ in range(200)]
+            yield "200 tensors x 16 KiB", arrays, "1 x 3.2 MB"
+        else:
+            arrays = gradient_set(name)
+            nbytes = sum(a.nbytes for a in arrays)
+            yield f"{name}: {describe(arrays)}", arrays, f"1 x {nbytes / MiB:.1f} MiB"
+
+
+def targets(world, repetitions, names):
+    """Both call forms of each set, each against one raw call of the same
+    bytes, all taking turns within each repetition."""
     rows = []
-    for case, arrays, baseline in (
-            (f"{len(model)} tensors, 64 MiB in all", model, "1 x 64 MiB"),
-            ("200 tensors x 16 KiB", small, "1 x 3.2 MB")):
+    for case, arrays, baseline in target_sets(names):
         total = sum(a.size for a in arrays)
         variants = {"raw": raw(world, np.ones(total, np.float32))}
         for call, runner in CALL_FORMS.items():
-            variants[call] = runner(arrays, f"{case.split()[0]}.{call.split()[0]}")
+            variants[call] = runner(arrays, f"{case.split(':')[0]}.{call.split()[0]}")
         times = alternate_times(world, variants, repetitions)
         rows += [TargetRow(case, call, baseline, times[call], times["raw"])
                  for call in CALL_FORMS]
+        del variants, arrays
     return rows
 
 
@@ -241,10 +262,16 @@ def sweep(world, repetitions, gloo_for):
     return rows
 
 
-def health(idle, idle_seconds, growth, steps):
-    return [f"Idle engine: {idle:.2%} of a core (busiest rank, {idle_seconds:g} s).",
-            f"Resident memory over steps {steps // 10}-{steps} of both target sets: "
-            f"{growth:+d} KiB (busiest rank)."]
+def health(idle, idle_seconds, memory, steps):
+    growth, faults = memory
+    lines = [f"Idle engine: {idle:.2%} of a core (busiest rank, {idle_seconds:g} s)."
+             ] if idle_seconds > 0 else []
+    return lines + [
+        f"Resident memory over steps {steps // 10}-{steps} of the geometric set in "
+        f"place and out of place: {growth:+d} KiB, {faults:.1f} page faults per "
+        "step (busiest rank).",
+        f"Load average (1 minute) at the end: {os.getloadavg()[0]:.2f} on "
+        f"{os.cpu_count()} cores (other processes skew the figures)."]
 
 
 def ranks_line(size):
@@ -302,7 +329,10 @@ def main():
     parser.add_argument("--repetitions", type=int, default=21)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--memory-steps", type=int, default=1000)
+    parser.add_argument("--sets", nargs="+", choices=SETS + ("small",),
+                        default=list(SETS) + ["small"], help="the target sets")
     parser.add_argument("--no-sweep", action="store_true", help="only the targets")
+    parser.add_argument("--json", help="file for the targets' times per repetition")
     parser.add_argument("--out", help="directory for allreduce.md and allreduce.png")
     args = parser.parse_args()
     mt.init()
@@ -311,11 +341,15 @@ def main():
     # Before gloo starts: its threads would count as well.
     idle = world.allreduce(idle_share(args.idle_seconds), op=MPI.MAX)
     gloo_for = None if args.no_sweep else start_gloo(world)
-    target_rows = targets(world, args.repetitions)
+    target_rows = targets(world, args.repetitions, args.sets)
     sweep_rows = [] if args.no_sweep else sweep(world, args.repetitions, gloo_for)
-    growth = memory_growth(world, args.memory_steps)
-    footer = health(idle, args.idle_seconds, growth, args.memory_steps)
+    memory = memory_growth(world, args.memory_steps)
+    footer = health(idle, args.idle_seconds, memory, args.memory_steps)
     if world.rank == 0:
+        if args.json:
+            with open(args.json, "w") as stream:
+                json.dump({"load": os.getloadavg()[0],
+                           "rows": [row._asdict() for row in target_rows]}, stream)
         target_lines = target_table(target_rows, args.repetitions)
         if sweep_rows:
             report(world, target_lines, sweep_rows, footer, args.out)

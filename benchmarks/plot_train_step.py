@@ -23,12 +23,6 @@ import subprocess
 import sys
 import tempfile
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file backend)
-from matplotlib import ticker  # noqa: E402
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Mode and ratio names as train_step.py writes them in its --json file.
 MODES = ("none", "ddp", "mpitrain", "mpitrain, bf16 on the wire")
@@ -87,6 +81,10 @@ def table(results, command):
 
 
 def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
     parameters = [result["parameters"] for result in results]
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for mode in MODES:

@@ -1,17 +1,20 @@
 """Where the time of one step of allreduce_async calls goes, phase by phase.
 
 Run on 2 ranks:  mpitrainrun -np 2 python benchmarks/step_phases.py [--steps 300]
+                 [--sets resnet50 bert gpt2 geometric small]
 
-For the two target sets of benchmarks/allreduce.py (200 x 16 KiB; about 120
-tensors of 64 MiB in all), in place and out of place, a step submits every
-tensor with allreduce_async and synchronizes them all. The engine's phases
-are timed by wrapping its methods with clocks (the wrapping adds about a
-microsecond per phase, nothing per tensor): the submissions, the round up
-to the control allreduce (sorting the entries, cache lookups), the control
-allreduce and the arrival, setting up the group, the reduction itself, and
-the completion until the last synchronize returns. Each phase is printed
-as the median, over steps, of when it starts and ends after the step
-began, on rank 0, beside one raw in-place Allreduce of the same bytes.
+For the target sets of benchmarks/allreduce.py (the gradients of real
+models, benchmarks/models.py, and 200 x 16 KiB), in place and out of place,
+a step submits every tensor with allreduce_async and synchronizes them all.
+The engine's phases are timed by wrapping its methods with clocks (the
+wrapping adds about a microsecond per phase, nothing per tensor): the
+submissions, the round up to the control allreduce (sorting the entries,
+cache lookups), the control allreduce and the arrival, setting up each
+group, the reduction itself (by MPI or through shared memory), and the
+completion until the last synchronize returns. Each phase is printed as
+the median, over steps, of when it first starts and last ends after the
+step began, the time spent inside it and how often it is entered, on rank
+0, beside one raw in-place Allreduce of the same bytes.
 """
 
 import argparse
@@ -25,7 +28,8 @@ import mpitrain as mt
 from mpitrain.engine import controller, executor
 from mpitrain.transport.channel import Channel
 
-from allreduce import model_like
+from allreduce import target_sets
+from models import SETS
 
 MARKS = []
 
@@ -53,7 +57,8 @@ def instrument():
             (Channel, "round", "control allreduce", True),
             (Channel, "arrive", "arrival", True),
             (executor.Executor, "_allreduce", "group", True),
-            (Channel, "allreduce", "reduction", True),
+            (Channel, "allreduce", "reduction (MPI)", True),
+            (Channel, "allreduce_by_host_reducer", "reduction (shared memory)", True),
             (controller, "notify_waiters", "publish", False)):
         setattr(owner, method, _marking(label, getattr(owner, method), generator))
 
@@ -69,11 +74,14 @@ def step(arrays, prefix, in_place, held):
 
 
 def phases(world, arrays, prefix, in_place, steps):
-    """{mark: median microseconds after the step began}, first occurrence per step."""
+    """{label: (first start, last end, time inside, times entered)}, medians
+    over steps in microseconds after the step began; a phase entered several
+    times a step (a round per group of tensors ready together) spans from
+    its first start to its last end, and its time inside is the sum."""
     held = []
     for _ in range(10):
         step(arrays, prefix, in_place, held)
-    offsets = {}
+    figures = {}
     for _ in range(steps):
         world.Barrier()
         MARKS.clear()
@@ -81,10 +89,17 @@ def phases(world, arrays, prefix, in_place, steps):
         step(arrays, prefix, in_place, held)
         seen = {}
         for label, when in MARKS:
-            seen.setdefault(label, when)
-        for label, when in seen.items():
-            offsets.setdefault(label, []).append((when - start) * 1e6)
-    return {label: statistics.median(values) for label, values in offsets.items()}
+            phase, edge = label[:-1], label[-1]
+            first, last, inside, count, opened = seen.get(phase, (when, when, 0.0, 0, None))
+            if edge == "<":
+                seen[phase] = (first, last, inside, count + 1, when)
+            else:
+                seen[phase] = (first, when, inside + when - (opened or first), count, None)
+        for phase, (first, last, inside, count, _) in seen.items():
+            figures.setdefault(phase, []).append(
+                ((first - start) * 1e6, (last - start) * 1e6, inside * 1e6, count))
+    return {phase: tuple(statistics.median(column) for column in zip(*values))
+            for phase, values in figures.items()}
 
 
 def raw_us(world, nbytes, steps):
@@ -98,34 +113,35 @@ def raw_us(world, nbytes, steps):
     return statistics.median(times)
 
 
-def report(title, marks, raw):
-    print(f"\n{title}: median µs after the step began (rank 0); one raw in-place "
-          f"Allreduce of the same bytes: {raw:.0f} µs")
-    ordered = sorted(marks.items(), key=lambda item: item[1])
-    for label, offset in ordered:
-        print(f"  {label:22s} {offset:8.0f}")
-    total = marks["synchronized>"]
-    print(f"  step / raw = {total / raw:.2f}")
+def report(title, figures, raw):
+    print(f"\n{title}: medians over steps, µs after the step began (rank 0); one raw "
+          f"in-place Allreduce of the same bytes: {raw:.0f} µs")
+    print(f"  {'phase':26s} {'from':>8s} {'to':>8s} {'inside':>8s} {'times':>6s}")
+    for phase, (first, last, inside, count) in sorted(figures.items(),
+                                                      key=lambda item: item[1][0]):
+        print(f"  {phase:26s} {first:8.0f} {last:8.0f} {inside:8.0f} {count:6.0f}")
+    print(f"  step / raw = {figures['synchronized'][1] / raw:.2f}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300,
+                        help="steps of sets under 16 MiB; a twentieth of it for larger")
+    parser.add_argument("--sets", nargs="+", choices=SETS + ("small",),
+                        default=list(SETS) + ["small"])
     args = parser.parse_args()
     instrument()
     mt.init()
     world = MPI.COMM_WORLD
-    sets = {"200 x 16 KiB": [np.ones(4096, np.float32) for _ in range(200)],
-            "120 tensors, 64 MiB": model_like(64 << 20)}
-    for arrays in sets.values():
+    for title, arrays, _ in target_sets(args.sets):
         for array in arrays:
             array[:] = 0          # sums of zeros stay finite step after step
-    for title, arrays in sets.items():
         nbytes = sum(a.nbytes for a in arrays)
         steps = args.steps if nbytes < (16 << 20) else max(5, args.steps // 20)
         raw = raw_us(world, nbytes, steps)
         for in_place in (True, False):
-            marks = phases(world, arrays, f"{title}.{in_place}", in_place, steps)
+            marks = phases(world, arrays, f"{title.split(':')[0]}.{in_place}",
+                           in_place, steps)
             if world.rank == 0:
                 report(f"{title}, {'in place' if in_place else 'out of place'}",
                        marks, raw)
