@@ -123,6 +123,8 @@ def test_every_package_the_image_installs_resolves_with_pip(tmp_path, dockerfile
                 # PyTorch's CPU index cannot be reached from here; the exact
                 # version pinned below must resolve from pip's indexes instead.
                 next(words)
+            elif word == "-c":
+                requirements += [word, next(words).replace(source, ROOT, 1)]
             elif word.startswith("-"):
                 assert word == "--no-cache-dir", f"this test does not know pip's {word}"
             else:
