@@ -279,6 +279,18 @@ def test_torch_optimizer_combines_each_ranks_step():
     with pytest.raises(ValueError, match="Compression.none, .fp16 or .bf16"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  op=hvd.Adasum, compression=hvd.Compression.topk(0.1))
+    # Refused on rank 1 only: the others fail too, naming it, instead of
+    # waiting in their first step for a rank that never comes.
+    last = hvd.size() - 1
+    with pytest.raises(ValueError, match=(r"Compression.none, .fp16 or .bf16" if hvd.rank() == last
+                                          else rf"op=Adasum\) failed on rank {last}: ValueError")):
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum,
+            compression=hvd.Compression.topk(0.1) if hvd.rank() == last else hvd.Compression.none)
+    with pytest.raises(hvd.MismatchError, match=r"op=Adasum\): compression differs between"):
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum,
+            compression=hvd.Compression.fp16 if hvd.rank() == last else hvd.Compression.none)
 
 
 @mpi_test(np=(2,), timeout=60)       # the 4-rank tree is the core's: tested above

@@ -12,6 +12,7 @@ nothing to do.
 
 import torch
 
+from mpitrain.api.agreement import require_same
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.engine.handles import synchronize_all
 from mpitrain.ops import Adasum
@@ -29,13 +30,24 @@ class _AdasumOptimizer:
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
-        fused, _ = choice.split(compression, self._trained, self._names)
-        if fused is not compression:
-            raise ValueError(
-                "op=Adasum combines the parameters' changes in fused allreduces: "
-                "compression must be Compression.none, .fp16 or .bf16, not a "
-                "compressor that moves gradients itself (topk, onebit, int8, int4, "
-                "powersgd) or a choice per parameter")
+        problem = None
+        try:
+            fused, _ = choice.split(compression, self._trained, self._names)
+        except ValueError as error:
+            problem = error
+        else:
+            if fused is not compression:
+                problem = ValueError(
+                    "op=Adasum combines the parameters' changes in fused allreduces: "
+                    "compression must be Compression.none, .fp16 or .bf16, not a "
+                    "compressor that moves gradients itself (topk, onebit, int8, int4, "
+                    "powersgd) or a choice per parameter")
+        if process_set.included():     # a refusal on one rank fails all of them
+            require_same("DistributedOptimizer(op=Adasum)",
+                         {"compression": getattr(compression, "__name__", compression)},
+                         "DistributedOptimizer.adasum", process_set, problem)
+        elif problem:
+            raise problem
         self._compression = compression
 
     def synchronize(self):
