@@ -15,10 +15,10 @@ from mpitrain.api.basics import (
     gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
     mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
     shutdown, size, start_timeline, stop_timeline)
+from mpitrain.api.handles import poll, synchronize
 from mpitrain.api.objects import allgather_object, broadcast_object
 from mpitrain.api.process_sets import ProcessSet, global_process_set
 from mpitrain.api.set_registry import add_process_set, remove_process_set
-from mpitrain.engine.handles import poll, synchronize
 from mpitrain.errors import (
     HorovodInternalError, MismatchError, MpitrainInternalError, ShutdownError)
 from mpitrain.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum

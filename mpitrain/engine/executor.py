@@ -18,8 +18,8 @@ import types
 import numpy as np
 
 from mpitrain.backends import arrays, dtypes
+from mpitrain.backends.recycled import RecycledBuffers
 from mpitrain.engine import scaling
-from mpitrain.engine.recycled import RecycledBuffers
 from mpitrain.engine.streaming import Stream, flat, streams
 from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp

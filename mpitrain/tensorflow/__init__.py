@@ -5,13 +5,16 @@ gradients registered; DistributedGradientTape averages a custom loop's
 gradients. Keras users import mpitrain.tensorflow.keras.
 """
 
-from mpitrain import (
-    Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum,
-    add_process_set, ccl_built, cross_rank,
-    cross_size, cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled,
-    init, is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built,
-    mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
-    rocm_built, shutdown, size, start_timeline, stop_timeline)
+from mpitrain.api.array_ops import join
+from mpitrain.api.basics import (
+    ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+    gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+    mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+    shutdown, size, start_timeline, stop_timeline)
+from mpitrain.api.process_sets import ProcessSet, global_process_set
+from mpitrain.api.set_registry import add_process_set, remove_process_set
+from mpitrain.errors import HorovodInternalError
+from mpitrain.ops import Adasum, Average, Max, Min, Product, Sum
 from mpitrain.tensorflow.allgather import allgather, grouped_allgather
 from mpitrain.tensorflow.allreduce import allreduce, grouped_allreduce
 from mpitrain.tensorflow.alltoall import alltoall

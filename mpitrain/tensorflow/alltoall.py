@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-import mpitrain as mt
+from mpitrain.api import array_ops
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.tensorflow import graph_op
 
@@ -12,8 +12,8 @@ def _exchange(tensor, splits, name, process_set):
     name = graph_op.collective_name(name, "alltoall")
 
     def body(arrays):
-        output, received = mt.alltoall(arrays[0], None if splits is None else arrays[1],
-                                       name, process_set)
+        output, received = array_ops.alltoall(
+            arrays[0], None if splits is None else arrays[1], name, process_set)
         return [output, received.astype(np.int32)]
     inputs = [tensor] if splits is None else [tensor, splits]
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])

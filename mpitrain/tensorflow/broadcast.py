@@ -4,10 +4,10 @@ broadcast_global_variables (TF1 graphs)."""
 import numpy as np
 import tensorflow as tf
 
-import mpitrain as mt
+from mpitrain.api import array_ops
+from mpitrain.api.handles import synchronize_all
 from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.backends import dtypes
-from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveTypeError
 from mpitrain.ops import Average, OpType
 from mpitrain.tensorflow import graph_op
@@ -27,7 +27,7 @@ def _movable(array):
 
 def _start(array, root_rank, name, process_set):
     try:
-        return mt.broadcast_async(_movable(array), root_rank, name, process_set)
+        return array_ops.broadcast_async(_movable(array), root_rank, name, process_set)
     except CollectiveTypeError as error:
         if array.dtype != object:
             raise

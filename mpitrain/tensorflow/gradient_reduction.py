@@ -5,12 +5,13 @@ import tensorflow as tf
 
 from mpitrain.api.agreement import require_same
 from mpitrain.api.compression import saved_states
+from mpitrain.api.engine_sizes import streamed
 from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.ops import Adasum, Average, ReduceOp, Sum
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.compression import Compression, choice
-from mpitrain.tensorflow.packed import PACKABLE, PackedReducer, streamed
+from mpitrain.tensorflow.packed import PACKABLE, PackedReducer
 from mpitrain.tensorflow.primitives import allreduce_arrays
 from mpitrain.tensorflow.sparse import allreduce_indexed_slices
 

@@ -16,12 +16,13 @@ import zlib
 
 import numpy as np
 
-import mpitrain as mt
-from mpitrain.api import basics
+from mpitrain.api import array_ops
+from mpitrain.api.handles import synchronize
+from mpitrain.api.objects import allgather_object
 from mpitrain.backends.arrays import ALIGNMENT
-from mpitrain.engine.recycled import RecycledBuffers
+from mpitrain.backends.recycled import RecycledBuffers
 from mpitrain.errors import MismatchError
-from mpitrain.ops import Average, Sum
+from mpitrain.ops import Average, Max, Sum
 
 PACKABLE = (np.dtype(np.float32), np.dtype(np.float64))
 _KEPT_PER_SIZE = 4          # buffers still held by TensorFlow when the next step starts
@@ -49,14 +50,6 @@ class _Packing:
                 for offset, (shape, _) in zip(self.offsets, self.layout)]
 
 
-def streamed(process_set, nbytes):
-    """Would the engine stream a fused group of nbytes of host arrays of this
-    set through shared memory (mpitrain.engine.streaming)?"""
-    controller = basics.engine().controller_for(process_set.process_set_id)
-    return (controller is not None and controller.streams_from is not None
-            and nbytes >= controller.streams_from)
-
-
 class PackedReducer:
     """Reduces lists of float32/float64 arrays of one dtype through packed buffers."""
 
@@ -79,20 +72,20 @@ class PackedReducer:
             else:
                 np.multiply(array, scale, out=view)
         flat = buffer.view(packing.dtype)
-        handles = [mt.allreduce_async(packing.fingerprint,
-                                      name=None if name is None else f"{name}.layout",
-                                      op=mt.Max, process_set=process_set),
-                   mt.allreduce_async(flat, name=name, op=Sum if op == Average else op,
-                                      postscale_factor=postscale_factor,
-                                      process_set=process_set, output=flat)]
-        fingerprints, data_error = mt.synchronize(handles[0]), None
+        handles = [array_ops.allreduce_async(packing.fingerprint,
+                                             name=None if name is None else f"{name}.layout",
+                                             op=Max, process_set=process_set),
+                   array_ops.allreduce_async(flat, name=name, op=Sum if op == Average else op,
+                                             postscale_factor=postscale_factor,
+                                             process_set=process_set, output=flat)]
+        fingerprints, data_error = synchronize(handles[0]), None
         try:
-            mt.synchronize(handles[1])
+            synchronize(handles[1])
         except MismatchError as error:
             data_error = error
         if not np.array_equal(fingerprints, packing.fingerprint):
             # Every rank sees the same maxima, so all ranks come here together.
-            layouts = mt.allgather_object(
+            layouts = allgather_object(
                 [s for s, _ in layout], process_set=process_set,
                 name=None if name is None else f"{name}.shapes")
             raise MismatchError(

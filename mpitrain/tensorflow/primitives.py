@@ -6,8 +6,8 @@ DistributedGradientTape and the Keras optimizer call these directly.
 
 import tensorflow as tf
 
-import mpitrain as mt
 from mpitrain.api import array_ops
+from mpitrain.api.handles import synchronize
 from mpitrain.tensorflow import graph_op
 from mpitrain.tensorflow.errors import as_tf_error
 
@@ -35,10 +35,13 @@ def dense(tensors, kind, name, process_set, count="members"):
 def allreduce_arrays(arrays, name, op, prescale_factor, postscale_factor, process_set):
     """Reduce numpy arrays together; the core's results are aligned for TensorFlow."""
     if len(arrays) == 1:     # the name stays the caller's, as errors show it
-        return [mt.allreduce(arrays[0], name=name, op=op, prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor, process_set=process_set)]
-    return mt.grouped_allreduce(arrays, name=name, op=op, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set)
+        return [array_ops.allreduce(arrays[0], name=name, op=op,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, process_set=process_set)]
+    return array_ops.grouped_allreduce(arrays, name=name, op=op,
+                                       prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor,
+                                       process_set=process_set)
 
 
 def reduce_dense(tensors, op, prescale_factor, postscale_factor, name, process_set):
@@ -60,7 +63,7 @@ def gather(tensors, name, process_set):
 
     def body(arrays):
         if len(arrays) == 1:
-            return [mt.allgather(arrays[0], name, process_set)]
-        return mt.synchronize(mt.grouped_allgather_async(arrays, name, process_set))
+            return [array_ops.allgather(arrays[0], name, process_set)]
+        return synchronize(array_ops.grouped_allgather_async(arrays, name, process_set))
     return graph_op.run(body, tensors, [t.dtype for t in tensors],
                         [_gathered_shape(t.shape) for t in tensors], "allgather")

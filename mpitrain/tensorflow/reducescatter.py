@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-import mpitrain as mt
+from mpitrain.api import array_ops
+from mpitrain.api.handles import synchronize
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.errors import not_a_cast_compressor
 from mpitrain.ops import Average, resolve_op
@@ -15,7 +16,7 @@ def _scatter(tensors, op, prescale_factor, postscale_factor, name, process_set):
     name = graph_op.collective_name(name, "reducescatter")
 
     def body(arrays):
-        return mt.synchronize(mt.grouped_reducescatter_async(
+        return synchronize(array_ops.grouped_reducescatter_async(
             arrays, op, name, process_set, prescale_factor, postscale_factor))
     return graph_op.run(body, tensors, [t.dtype for t in tensors],
                         [tf.TensorShape([None]).concatenate(t.shape[1:])

@@ -13,8 +13,8 @@ nothing to do.
 import torch
 
 from mpitrain.api.agreement import require_same
+from mpitrain.api.handles import synchronize_all
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.engine.handles import synchronize_all
 from mpitrain.ops import Adasum
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import allreduce_async_

@@ -15,10 +15,9 @@ would sum.
 
 import torch
 
-from mpitrain.api import array_ops
+from mpitrain.api import array_ops, names
+from mpitrain.api.handles import synchronize
 from mpitrain.api.process_sets import global_process_set, is_root
-from mpitrain.engine import naming
-from mpitrain.engine.handles import synchronize
 from mpitrain.errors import not_a_cast_compressor
 from mpitrain.ops import Average, OpType, resolve_op
 from mpitrain.torch import ops
@@ -26,7 +25,7 @@ from mpitrain.torch.compression import Compression, GradientCompressor
 
 
 def _grad_name(name):
-    return naming.derived(name, ".grad")
+    return names.derived(name, ".grad")
 
 
 def _named(name, kind, process_set):
@@ -36,7 +35,7 @@ def _named(name, kind, process_set):
 def _row_offsets(rows, name, process_set):
     """Where this rank's rows start in allgather results of tensors with ``rows`` rows."""
     counts = synchronize(ops.allgather_async(torch.tensor([rows], dtype=torch.int64),
-                                             naming.derived(name, ".grad.rows"),
+                                             names.derived(name, ".grad.rows"),
                                              process_set))
     return counts[:process_set.rank()].sum(dim=0).tolist()
 

@@ -1,7 +1,7 @@
 """Gradient buckets: small parameters' gradients as views of one flat tensor.
 
-The engine reduces a gradient of ``fusion.ALONE_BYTES`` or more in its own
-memory, but packs smaller ones into a fusion buffer and unpacks them
+The engine reduces a gradient of ``engine_sizes.ALONE_BYTES`` or more in its
+own memory, but packs smaller ones into a fusion buffer and unpacks them
 afterwards, and each one costs a request. A bucket (DDP's
 ``gradient_as_bucket_view``) keeps the gradients of many small parameters in
 one persistent 1-D tensor: ``p.grad`` is a view of it shaped and laid out
@@ -11,7 +11,7 @@ bucket travels as one in-place allreduce, with nothing to pack or unpack.
 
 import torch
 
-from mpitrain.engine import fusion
+from mpitrain.api import engine_sizes
 
 # The most bytes in one bucket where the engine's fusion threshold is 0.
 DEFAULT_CAP = 64 * 1024 * 1024
@@ -19,7 +19,7 @@ DEFAULT_CAP = 64 * 1024 * 1024
 
 def small(p):
     """Is p's gradient small enough for a bucket (the engine would fuse it)?"""
-    return p.numel() * p.element_size() < fusion.ALONE_BYTES
+    return p.numel() * p.element_size() < engine_sizes.ALONE_BYTES
 
 
 def plan(parameters, names, cap):

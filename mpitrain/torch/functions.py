@@ -2,9 +2,9 @@
 
 import torch
 
+from mpitrain.api.handles import synchronize_all
 from mpitrain.api.objects import allgather_object, broadcast_object
 from mpitrain.api.process_sets import global_process_set, is_root
-from mpitrain.engine.handles import synchronize_all
 from mpitrain.errors import CollectiveValueError
 from mpitrain.torch.ops import broadcast_async_
 from mpitrain.torch.sharded_optimizer import state_on_one_rank

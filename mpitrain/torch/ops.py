@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from mpitrain.api import array_ops
+from mpitrain.api.handles import synchronize
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.engine.handles import synchronize
 from mpitrain.ops import Average, OpType, Sum, resolve_op
 from mpitrain.torch.tensors import TensorHandle, as_array, as_tensor
 

@@ -15,10 +15,10 @@ import weakref
 
 import torch
 
-from mpitrain.api import basics
+from mpitrain.api import engine_sizes
+from mpitrain.api.handles import synchronize_all
 from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.engine.handles import synchronize_all
 from mpitrain.ops import Adasum, Average, Sum, resolve_op
 from mpitrain.torch import buckets
 from mpitrain.torch.compression import Compression, choice
@@ -225,7 +225,7 @@ class _DistributedOptimizer:
         candidates = [p for p in self._trained if p not in self._unit_of
                       and p not in self._compressor_of
                       and not p.grad.is_sparse and buckets.small(p)]
-        threshold = basics.engine().config.fusion_threshold
+        threshold = engine_sizes.fusion_threshold()
         plan = broadcast_object(
             buckets.plan(candidates, self._names, threshold or buckets.DEFAULT_CAP)
             if self._process_set.rank() == 0 else None,

@@ -20,9 +20,9 @@ import torch
 
 from mpitrain.api import array_ops, basics
 from mpitrain.api.agreement import require_same
+from mpitrain.api.handles import synchronize
 from mpitrain.api.objects import allgather_object
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.engine.handles import synchronize
 from mpitrain.ops import Average, OpType
 from mpitrain.torch.ops import (alltoall_async, grouped_allgather_async,
                                 grouped_reducescatter_async)

@@ -8,9 +8,10 @@ rank order, so every rank holds the same result.
 
 import numpy as np
 
-import mpitrain as mt
+from mpitrain.api import array_ops
 from mpitrain.api.compression import (CompressorSettings, OneBitSettings, QuantizeSettings,
                                       TopKSettings, check_gathered_shapes, padded_shape)
+from mpitrain.api.handles import synchronize
 
 
 class GradientCompressor(CompressorSettings):
@@ -27,7 +28,7 @@ class GradientCompressor(CompressorSettings):
         # The shape travels too (see mpitrain/torch/compression/base.py).
         sent = list(payload) + [np.array(padded_shape(array.shape), np.int64)]
         self.bytes_sent += sum(part.nbytes for part in sent)
-        *gathered, shapes = mt.synchronize(mt.grouped_allgather_async(
+        *gathered, shapes = synchronize(array_ops.grouped_allgather_async(
             sent, f"{name}.{type(self).__name__}", process_set))
         size = process_set.size()
         check_gathered_shapes(shapes.reshape(size, -1).tolist(), name)

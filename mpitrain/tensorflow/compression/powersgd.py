@@ -2,7 +2,7 @@
 
 import numpy as np
 
-import mpitrain as mt
+from mpitrain.api import array_ops
 from mpitrain.api.compression import PowerSGDSettings
 from mpitrain.ops import Sum
 from mpitrain.tensorflow.compression.gathered import GradientCompressor
@@ -32,11 +32,11 @@ class PowerSGD(PowerSGDSettings, GradientCompressor):
 
     def exchange(self, array, name, process_set):
         matrix = array.reshape(array.shape[0], -1)
-        p = mt.allreduce(matrix @ self._start_q(name, matrix), name=f"{name}.PowerSGD.P",
-                         op=Sum, process_set=process_set)
+        p = array_ops.allreduce(matrix @ self._start_q(name, matrix),
+                                name=f"{name}.PowerSGD.P", op=Sum, process_set=process_set)
         p = np.linalg.qr(p)[0]
         q = matrix.T @ p
         self.bytes_sent += p.nbytes + q.nbytes
-        self.q[name] = mt.allreduce(q, name=f"{name}.PowerSGD.Q", op=Sum,
-                                    process_set=process_set)
+        self.q[name] = array_ops.allreduce(q, name=f"{name}.PowerSGD.Q", op=Sum,
+                                           process_set=process_set)
         return (p @ self.q[name].T).reshape(array.shape), (p @ q.T).reshape(array.shape)

@@ -5,9 +5,10 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-import mpitrain as mt
 from mpitrain import horovod_names
+from mpitrain.api import array_ops, basics
 from mpitrain.api.agreement import require_same
+from mpitrain.ops import Average
 from mpitrain.tensorflow.broadcast import broadcast_variables
 from mpitrain.tensorflow.keras.variables import (broadcast_compression_state,
                                                  optimizer_variables)
@@ -74,8 +75,8 @@ class MetricAverageCallback(tf.keras.callbacks.Callback):
         values = np.array([float(logs[k]) for k in names], dtype=np.float64)
         # One vector, in sorted-name order: ranks logging different metrics
         # get a shape mismatch error instead of a hang.
-        averaged = mt.allreduce(values, name=f"MetricAverageCallback.{epoch}",
-                                op=mt.Average)
+        averaged = array_ops.allreduce(values, name=f"MetricAverageCallback.{epoch}",
+                                       op=Average)
         logs.update(zip(names, averaged.tolist()))
 
 
@@ -156,7 +157,7 @@ class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
             self.momentum_to_restore = float(momentum.numpy())
             momentum.assign(self.momentum_to_restore * ratio)
         elif momentum and ratio != 1.0:
-            if mt.rank() == 0:          # the same on every rank: say it once
+            if basics.rank() == 0:          # the same on every rank: say it once
                 warnings.warn(
                     f"{type(self).__name__}: momentum_correction is skipped, because "
                     f"{type(self.model.optimizer).__name__} keeps momentum as a "
@@ -178,7 +179,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                  steps_per_epoch=None, verbose=0):
         def multiplier(epoch):
             epoch += 1.0 / self.steps_per_epoch
-            return (epoch * (mt.size() - 1) / warmup_epochs + 1) / mt.size()
+            return (epoch * (basics.size() - 1) / warmup_epochs + 1) / basics.size()
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
                          staircase=False, momentum_correction=momentum_correction,
                          steps_per_epoch=steps_per_epoch)
@@ -186,7 +187,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if self.verbose and epoch == self.end_epoch - 1 and mt.rank() == 0:
+        if self.verbose and epoch == self.end_epoch - 1 and basics.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_lr_variable(self.model.optimizer).numpy():g}.")
 
@@ -259,8 +260,8 @@ class LocalSGDCallback(tf.keras.callbacks.Callback):
         if self.average_optimizer_state:
             variables += [v for v in optimizer_variables(self.model.optimizer)
                           if tf.as_dtype(v.dtype).is_floating and len(v.shape) > 0]
-        averaged = mt.grouped_allreduce([np.asarray(v.numpy()) for v in variables],
-                                        name="LocalSGDCallback.average")
+        averaged = array_ops.grouped_allreduce([np.asarray(v.numpy()) for v in variables],
+                                               name="LocalSGDCallback.average")
         for variable, value in zip(variables, averaged):
             variable.assign(value)
 

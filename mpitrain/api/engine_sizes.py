@@ -1,0 +1,30 @@
+"""The sizes the engine decides by, for adapters that shape their tensors to them.
+
+An adapter can save the engine work by handing it tensors already laid out
+the way the engine would fuse them: torch's gradient buckets hold what the
+engine would pack into a fusion buffer, up to the fusion threshold, and
+TensorFlow's packed reducer leaves to the engine the groups it would stream
+through shared memory. These answers come from the running engine's settings
+and routes; this module is the adapters' one door to them.
+"""
+
+from mpitrain.api import basics
+from mpitrain.engine import fusion
+
+# A gradient of this many bytes or more is reduced in its own memory; smaller
+# ones are packed into a fusion buffer and unpacked afterwards.
+ALONE_BYTES = fusion.ALONE_BYTES
+
+
+def fusion_threshold():
+    """The most bytes the engine fuses into one buffer (MPITRAIN_FUSION_THRESHOLD;
+    0 when fusion is off)."""
+    return basics.engine().config.fusion_threshold
+
+
+def streamed(process_set, nbytes):
+    """Would the engine stream a fused group of nbytes of host arrays of this
+    set through shared memory (mpitrain.engine.streaming)?"""
+    controller = basics.engine().controller_for(process_set.process_set_id)
+    return (controller is not None and controller.streams_from is not None
+            and nbytes >= controller.streams_from)
