@@ -47,10 +47,6 @@ def _controller(engine, process_set):
     return controller
 
 
-def _as_array(value):
-    return value if type(value) is np.ndarray else np.asarray(value)
-
-
 def _prepare(controller, kind, array, name, op=Sum, prescale=1.0, postscale=1.0,
              root=-1, output=None, splits=None, average=None, site=""):
     """Build this rank's entry; a local argument error becomes a _Problem.

@@ -117,7 +117,7 @@ class Device:
                 self.cupy.copyto(_bits(output), _bits(target))
 
     def scale_into(self, source, factor, out):
-        """out = source * factor, for arrays of one wire type (see kernels.wire_types)."""
+        """out = source * factor, for arrays of one wire type (the type dtypes.wire gives)."""
         with self.active():
             if out.flags.c_contiguous:
                 self.pack([source], [source.size], out.reshape(-1), factor)

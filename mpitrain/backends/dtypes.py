@@ -5,7 +5,6 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from mpitrain.errors import CollectiveTypeError
 from mpitrain.ops import ReduceOp
 
 
@@ -63,12 +62,3 @@ def exact(wire_type, op):
 def lookup(dtype):
     """Return the DType of a numpy dtype, or None when mpitrain cannot move it."""
     return _BY_NUMPY.get(dtype)
-
-
-def require(dtype, what):
-    entry = lookup(dtype)
-    if entry is None:
-        raise CollectiveTypeError(
-            f"{what}: unsupported dtype {np.dtype(dtype)}; "
-            f"mpitrain supports {SUPPORTED_NAMES}")
-    return entry

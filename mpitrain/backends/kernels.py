@@ -159,11 +159,6 @@ extern "C" __global__ void mpitrain_unpack(const WIRE* buffer, const long long* 
 """
 
 
-def wire_types():
-    """The buffer types there are kernels for: every type mpitrain reduces in."""
-    return list(_C_TYPES)
-
-
 def code(dtype):
     """The segment-table code of a tensor of ``dtype`` in a buffer of its wire type."""
     return _CODES.get(np.dtype(dtype), SAME)
