@@ -192,6 +192,34 @@ class SetController:
     # -- one round -----------------------------------------------------------
 
     def _round(self):
+        """One round of this set, as a coroutine: it yields the MPI requests it
+        waits on, so that advance() can serve other sets meanwhile.
+
+        1. Take what user threads queued since the last round; a join marks
+           this rank joined.
+        2. Sort the pending entries against the response cache (_classify)
+           and contribute a control vector to one bitwise AND across the set
+           (control.py): the status flags any rank raised (joined, uncached,
+           shutting down), the slots every rank has ready, those some rank
+           found invalid, those some rank really submitted. In steady state
+           this one small allreduce is the whole negotiation.
+        3. A shutdown flag ends the round on every rank together
+           (EngineStopped). Otherwise the groups to run are the cached ones
+           ready everywhere and submitted somewhere (a joined rank is ready
+           for every allreduce but submits none), their fusion plan kept
+           (_cached_plan); invalid slots leave every rank's cache.
+        4. Only when some rank has a request the cache cannot serve do the
+           requests go to the coordinator and its responses come back
+           (_negotiate); fresh responses enter the cache (unless some rank
+           has joined) and are fused after the cached groups. The coordinator
+           then looks for stalled names.
+        5. Run the groups in the same order on every rank (_execute). First
+           the ranks meet: where there are device groups, by setting them up
+           and agreeing which can run (Executor.prepare_devices); else, before
+           data moves, in a non-blocking barrier (Channel.arrive), so that an
+           early rank sleeps instead of spinning in a blocking MPI call.
+           Autotune, where on, hears how many bytes the allreduces moved.
+        """
         engine = self.engine
         now = time.monotonic()
         self.last_round_start = now
@@ -421,6 +449,22 @@ class SetController:
                 published = time.monotonic()
         self._complete()
 
+    def _check_stall(self, engine):
+        """Stop the job when a name has waited past the shutdown time, unless
+        the ranks it waits for are busy moving data (in another process set's
+        long transfer): those will come. One that only negotiates or idles will not."""
+        now = time.monotonic()
+        waiting, joined = self.coordinator.waiting(), self.coordinator.joined
+        report = self.stall.check(now, waiting, joined)
+        if not report:
+            return
+        absent = [rank for rank in self.stall.missing_ranks(now, waiting, joined)
+                  if rank != engine.topology.rank]
+        if absent and not engine.watch.blame(absent, transfers_only=True):
+            self.stall_recheck = time.monotonic() + STALL_RECHECK
+            return
+        engine.request_stop(report)
+
     # -- completing entries ---------------------------------------------------
 
     def _finish(self, entry, value):
@@ -458,22 +502,6 @@ class SetController:
         notify_waiters()
 
     # -- called by user threads ----------------------------------------------
-
-    def _check_stall(self, engine):
-        """Stop the job when a name has waited past the shutdown time, unless
-        the ranks it waits for are busy moving data (in another process set's
-        long transfer): those will come. One that only negotiates or idles will not."""
-        now = time.monotonic()
-        waiting, joined = self.coordinator.waiting(), self.coordinator.joined
-        report = self.stall.check(now, waiting, joined)
-        if not report:
-            return
-        absent = [rank for rank in self.stall.missing_ranks(now, waiting, joined)
-                  if rank != engine.topology.rank]
-        if absent and not engine.watch.blame(absent, transfers_only=True):
-            self.stall_recheck = time.monotonic() + STALL_RECHECK
-            return
-        engine.request_stop(report)
 
     def automatic_name(self, kind):
         """The name of an unnamed call (a naming.AutoName): names count per kind.

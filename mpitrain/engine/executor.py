@@ -203,6 +203,31 @@ class Executor:
         return response.prescale * response.postscale, divisor
 
     def _allreduce(self, group, entries):
+        """Reduce a group of allreduces, fused or alone, and finish its members.
+
+        The route (``choice``) is taken from what every rank knows of the
+        group, so the ranks make matching MPI calls; this rank's own arrays
+        decide only which of four ways they take into and out of it:
+        - one rank, in place and unscaled: nothing moves, each output is its
+          input as it is;
+        - alone: a lone member already of its wire type (and not an int64
+          average split in two) is reduced in its own output, with no copy
+          into the fusion buffer (_allreduce_alone);
+        - streamed: where the route streams through shared memory and every
+          input and output is contiguous, each chunk goes from the inputs
+          straight into shared memory and back out into the outputs, with no
+          fusion buffer between (_allreduce_streamed);
+        - fused: the members are packed into the set's persistent fusion
+          buffer (times the prescale factor), reduced in place, and unpacked
+          into their outputs times the post-scale factor (Average's 1/size
+          included); an output the caller did not give is made for it (in
+          recycled memory on the host).
+        A joined rank has no member (None) and contributes zeros. Integer
+        sums (dtypes.exact) take no factor before the sum: they are scaled
+        and divided once, exactly, afterwards, and an int64 average travels
+        as quotients and remainders, so that its sum cannot overflow
+        (engine.scaling).
+        """
         first = group.responses[0]
         dtype = dtypes.BY_CODE[first.dtype]
         wire = dtypes.wire(dtype, first.op, first.prescale, first.postscale)
