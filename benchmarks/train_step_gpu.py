@@ -33,35 +33,7 @@ import mpitrain as mt
 import mpitrain.torch as hvd
 from mpitrain.transport import selection
 
-
-class Bottleneck(nn.Module):
-    def __init__(self, inputs, width, stride):
-        super().__init__()
-        outputs = 4 * width
-        self.layers = nn.Sequential(
-            nn.Conv2d(inputs, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width),
-            nn.ReLU(), nn.Conv2d(width, outputs, 1, bias=False), nn.BatchNorm2d(outputs))
-        self.shortcut = nn.Identity() if stride == 1 and inputs == outputs else \
-            nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False),
-                          nn.BatchNorm2d(outputs))
-
-    def forward(self, x):
-        return torch.relu(self.layers(x) + self.shortcut(x))
-
-
-def resnet(blocks, classes=1000, base=64):
-    """ResNet with bottleneck blocks: [3, 4, 6, 3] is ResNet-50 (25.6M parameters)."""
-    layers = [nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base), nn.ReLU(),
-              nn.MaxPool2d(3, 2, 1)]
-    inputs = base
-    for stage, count in enumerate(blocks):
-        width = base * 2 ** stage
-        for index in range(count):
-            layers.append(Bottleneck(inputs, width, 2 if index == 0 and stage else 1))
-            inputs = 4 * width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inputs, classes)]
-    return nn.Sequential(*layers)
+from models import resnet
 
 
 def build_model(name):
