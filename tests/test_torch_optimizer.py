@@ -365,6 +365,37 @@ def test_overlap_sends_during_backward_and_without_it_step_sends_everything():
         assert torch.equal(with_overlap, without)
 
 
+@mpi_test(np=(1,), env={"MPITRAIN_TEST_ONE_RANK_PIPELINE": "1"})
+def test_the_one_rank_pipeline_setting_sends_a_lone_ranks_gradients_through_the_engine():
+    """What lets a one-GPU machine run DistributedOptimizer's device pipeline
+    (issue 27): with the setting, a rank alone negotiates and moves its
+    gradients, here rounded to fp16 on the wire, instead of skipping."""
+    import mpitrain as mt
+    controller = mt.api.basics.engine().controllers[0]
+    negotiations = controller.negotiations
+    model, plain = make_model(), make_model()
+    optimizer = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16)
+    plain_optimizer = sgd(plain.parameters())
+    for net, opt in ((model, optimizer), (plain, plain_optimizer)):
+        opt.zero_grad()
+        x, y = batch(0, ROWS)
+        F.mse_loss(net(x), y).backward()
+        if opt is optimizer:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                exact = [p.grad.clone() for p in net.parameters()]
+                opt.step()
+        else:
+            opt.step()
+    assert controller.negotiations > negotiations
+    wire = [g.half().float() for g in (p.grad for p in plain.parameters())]
+    assert all(torch.equal(g, w) for g, w in zip(exact, wire)), "not rounded to fp16"
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                    plain.parameters()))
+
+
 @mpi_test(np=(1, 2))
 def test_a_rank_alone_in_its_set_steps_like_the_plain_optimizer_and_sends_nothing():
     import mpitrain as mt

@@ -52,8 +52,10 @@ class _DistributedOptimizer:
             raise ValueError("compressors such as Compression.topk sum what they "
                              f"receive: op must be Average or Sum, got {op.name}")
         # Alone in its set, a rank has nothing to exchange: the average of one
-        # gradient is that gradient, so step() costs what the plain one does.
-        self._alone = process_set.included() and process_set.size() == 1
+        # gradient is that gradient, so step() costs what the plain one does
+        # (unless a test asks for the whole pipeline on one rank).
+        self._alone = (process_set.included() and process_set.size() == 1
+                       and not engine_sizes.one_rank_moves_data())
         self._overlap = not self._alone and (
             _communication_can_overlap(self._trained) if overlap is None
             else bool(overlap))
