@@ -70,26 +70,30 @@ def _arrays_of(value):
     mostly without holding the interpreter's lock, where tensors pickle
     through a copy of each (measured: 2.7 s against 3.9 s for 1.1 GiB, and
     5.3 s against 8.7 s to read it back). _tensors_of turns them back."""
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-        try:
-            return as_array(value)
-        except TypeError:               # a dtype numpy has no type for (bool)
-            return value
-    if isinstance(value, dict):
-        return {key: _arrays_of(item) for key, item in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_arrays_of(item) for item in value)
-    return value
+    return _leaves_mapped(value, _array_of)
 
 
 def _tensors_of(value):
-    if isinstance(value, np.ndarray):
-        return as_tensor(value)
+    return _leaves_mapped(value, lambda leaf: as_tensor(leaf)
+                          if isinstance(leaf, np.ndarray) else leaf)
+
+
+def _array_of(leaf):
+    if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+        try:
+            return as_array(leaf)
+        except TypeError:               # a dtype numpy has no type for (bool)
+            pass
+    return leaf
+
+
+def _leaves_mapped(value, convert):
+    """``value`` with each leaf of its dicts, lists and tuples passed through convert."""
     if isinstance(value, dict):
-        return {key: _tensors_of(item) for key, item in value.items()}
+        return {key: _leaves_mapped(item, convert) for key, item in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_tensors_of(item) for item in value)
-    return value
+        return type(value)(_leaves_mapped(item, convert) for item in value)
+    return convert(value)
 
 
 def _handler_for(value):
