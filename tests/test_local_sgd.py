@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import mpitrain.torch as hvd
-from mpitrain.torch.local_sgd import AVERAGE_NAME
+from mpitrain.torch.optimizers.local_sgd import AVERAGE_NAME
 from tests.mpi_harness import mpi_test
 from tests.test_mixed_precision import TF_ENV, keras_modules
 from tests.test_torch_buckets import step_beside_one_process

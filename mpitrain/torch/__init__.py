@@ -21,14 +21,13 @@ from mpitrain.torch import elastic
 from mpitrain.torch.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.torch.compression import Compression
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
-from mpitrain.torch.local_sgd import LocalSGDOptimizer
 from mpitrain.torch.ops import (
     allgather_async, allreduce_, allreduce_async, allreduce_async_, alltoall_async,
     broadcast_, broadcast_async, broadcast_async_, grouped_allgather_async,
     grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
     grouped_reducescatter_async, join, reducescatter_async, sparse_allreduce_async)
-from mpitrain.torch.optimizer import DistributedOptimizer
-from mpitrain.torch.sharded_optimizer import ShardedOptimizer
+from mpitrain.torch.optimizers import (
+    DistributedOptimizer, LocalSGDOptimizer, ShardedOptimizer)
 from mpitrain.torch.sync_batch_norm import SyncBatchNorm
 from mpitrain.version import __version__
 from mpitrain import horovod_names as _horovod_names

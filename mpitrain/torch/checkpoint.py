@@ -7,7 +7,7 @@ import torch
 
 from mpitrain.api import checkpoint
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
-from mpitrain.torch.sharded_optimizer import state_on_one_rank
+from mpitrain.torch.optimizers.sharded import state_on_one_rank
 
 
 def save_checkpoint(path, model, optimizer=None, root_rank=0, **extra):

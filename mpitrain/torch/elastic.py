@@ -16,8 +16,8 @@ from mpitrain.api import basics
 from mpitrain.api.elastic import HostsUpdatedInterrupt, State, run
 from mpitrain.api.objects import broadcast_object
 from mpitrain.torch.functions import broadcast_optimizer_state, broadcast_parameters
-from mpitrain.torch.optimizer import _DistributedOptimizer
-from mpitrain.torch.sharded_optimizer import state_everywhere
+from mpitrain.torch.optimizers.distributed import _DistributedOptimizer
+from mpitrain.torch.optimizers.sharded import state_everywhere
 from mpitrain.torch.tensors import as_array, as_tensor
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "State", "TorchState", "run"]

@@ -7,7 +7,7 @@ from mpitrain.api.objects import allgather_object, broadcast_object
 from mpitrain.api.process_sets import global_process_set, is_root
 from mpitrain.errors import CollectiveValueError
 from mpitrain.torch.ops import broadcast_async_
-from mpitrain.torch.sharded_optimizer import state_on_one_rank
+from mpitrain.torch.optimizers.sharded import state_on_one_rank
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):

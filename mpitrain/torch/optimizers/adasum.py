@@ -18,7 +18,7 @@ from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import allreduce_async_
-from mpitrain.torch.optimizer import _parameter_names
+from mpitrain.torch.optimizers.distributed import _parameter_names
 from mpitrain.torch.wrapping import rewrapped
 
 

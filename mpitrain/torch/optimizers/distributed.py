@@ -4,8 +4,9 @@ Each parameter's gradient is submitted from a post-accumulate-grad hook as
 soon as autograd has produced it, so communication overlaps the rest of the
 backward pass; the reduction writes into ``p.grad`` in place. ``step()``
 waits for every submission, then steps the wrapped optimizer. From the
-second step on, small gradients live in flat buckets (mpitrain.torch.buckets),
-each reduced as one tensor once its last gradient has arrived.
+second step on, small gradients live in flat buckets
+(mpitrain.torch.optimizers.buckets), each reduced as one tensor once its last
+gradient has arrived.
 """
 
 import contextlib
@@ -20,7 +21,7 @@ from mpitrain.api.handles import synchronize_all
 from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, Sum, resolve_op
-from mpitrain.torch import buckets
+from mpitrain.torch.optimizers import buckets
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
                                 sparse_allreduce_async)
@@ -490,7 +491,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     op: Average (default) or Sum; gradient_predivide_factor f divides
         before the sum and multiplies by f/size after (Average only).
         op=Adasum combines each rank's parameter changes instead
-        (mpitrain.torch.adasum_optimizer, docs/adasum.md).
+        (mpitrain.torch.optimizers.adasum, docs/adasum.md).
     groups: a number of groups, or lists of parameters; each group is reduced
         in one grouped call once all its gradients are ready. num_groups is
         the deprecated form.
@@ -506,7 +507,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         raise ValueError("the optimizer is already a DistributedOptimizer")
     op = resolve_op(op, None)
     if op == Adasum:
-        from mpitrain.torch.adasum_optimizer import adasum_optimizer  # it imports this
+        from mpitrain.torch.optimizers.adasum import adasum_optimizer  # it imports this
         return adasum_optimizer(optimizer, named_parameters, compression,
                                 gradient_predivide_factor, process_set)
     if gradient_predivide_factor != 1.0 and op != Average:
