@@ -67,7 +67,8 @@ SHIM = {
         "def in_thread(target, args=(), name=None, daemon=True, silent=False):\n"
         "    thread = threading.Thread(target=target, args=args, name=name, daemon=daemon)\n"
         "    thread.start()\n    return thread\n",
-    "mock.py": "from unittest.mock import *  # noqa: F401,F403\n",
+    # parameterized reads the backport's version_info; the standard library's is new enough.
+    "mock.py": "from unittest.mock import *  # noqa: F401,F403\n\nversion_info = (5, 0, 0)\n",
     "conformance_progress.py":
         '"""Writes each test\'s start and end to this rank\'s progress file."""\n\n\n'
         "class Progress:\n"
@@ -118,6 +119,11 @@ def environment(work):
     paths = [os.path.join(work, "shim"), os.path.join(work, "test", "parallel"),
              os.path.join(work, "test", "utils"), os.environ.get("PYTHONPATH", ""), ROOT]
     env = job_environment({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    # Ranks whose own assertions disagree leave a test at different points; the
+    # stall shutdown ends such a test on every rank, naming what each rank waits
+    # on, well before the job's timeout would call it a hang.
+    env.setdefault("MPITRAIN_STALL_CHECK_TIME_SECONDS", "20")
+    env.setdefault("MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS", "60")
     env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
     return env
 
