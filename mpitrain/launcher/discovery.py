@@ -13,7 +13,7 @@ import random
 import subprocess
 import time
 
-from mpitrain.launcher.run import parse_hosts
+from mpitrain.launcher.hosts import parse_hosts
 
 # Horovod's bounds for --blacklist-cooldown-range.
 COOLDOWN_LIMITS = (1, 3600)

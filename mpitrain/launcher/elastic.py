@@ -29,9 +29,12 @@ import threading
 import time
 
 from mpitrain.launcher import discovery, endings
-from mpitrain.launcher import run as launcher
+from mpitrain.launcher.hosts import all_on_this_machine
+from mpitrain.launcher.mpirun_command import (
+    TAG_OUTPUT, job_environment, mpirun_command, shown)
 from mpitrain.launcher.program import check_program
 from mpitrain.launcher.rank_lines import End, RankLines
+from mpitrain.launcher.run import run_with_reports, warn_before_start
 from mpitrain.launcher.run import warn as say
 from mpitrain.runtime import config, elastic_job
 
@@ -55,10 +58,10 @@ def main(parser, args, hosts, environ, variables, mpirun, flavor):
             parser.exit(2, f"mpitrainrun: discovery offers {slots_text(offered)}, fewer "
                            f"than the {args.nprocs} slots -np asks for\n")
         line, env = supervisor.command(layout, args.command)
-        print(launcher.shown(line, env, environ))
+        print(shown(line, env, environ))
         return 0
-    if launcher.all_on_this_machine(list(offered.items())):
-        check_program(parser, args.command, launcher.job_environment(
+    if all_on_this_machine(list(offered.items())):
+        check_program(parser, args.command, job_environment(
             variables, [], args.nprocs, flavor, None, environ))
     return supervisor.supervise()
 
@@ -98,7 +101,7 @@ class Supervisor:
             code = self.runs()
         except KeyboardInterrupt:
             self.signalled, code = True, 130
-        if self.signalled and not launcher.all_on_this_machine(list(self.offered.items())):
+        if self.signalled and not all_on_this_machine(list(self.offered.items())):
             say(f"the job's commits stay in {self.commit_folder()} on its hosts")
         else:
             self.forget_commits()
@@ -130,20 +133,20 @@ class Supervisor:
         say(f"{'restart ' + str(self.restarts) + ': ' if self.restarts else ''}"
             f"{size} rank{'s' if size > 1 else ''} on {slots_text(layout)}")
         line, env = self.command(layout, self.args.command)
-        local = launcher.all_on_this_machine(list(layout.items()))
+        local = all_on_this_machine(list(layout.items()))
         if not self.restarts:
-            launcher.warn_before_start(env, self.environ, local, size)
+            warn_before_start(env, self.environ, local, size)
         if self.args.verbose:
-            launcher.warn(launcher.shown(line, env, self.environ))
+            say(shown(line, env, self.environ))
         self.lines.start_run(self.restarts)
         watching, abandon = threading.Event(), threading.Event()
         watcher = threading.Thread(target=self.watch, args=(layout, watching, abandon),
                                    daemon=True, name="mpitrainrun-discovery")
         watcher.start()
-        tagged = not self.args.no_tag_output and self.flavor in launcher.TAG_OUTPUT
+        tagged = not self.args.no_tag_output and self.flavor in TAG_OUTPUT
         try:
-            code, sentences, reports = launcher.run_with_reports(
-                line, env, local, tagged, self.args.verbose, abandon)
+            code, sentences, reports = run_with_reports(line, env, local, tagged,
+                                                        self.args.verbose, abandon)
         finally:
             watching.set()
             watcher.join()
@@ -266,11 +269,11 @@ class Supervisor:
         """(mpirun command line, its environment) to run ``program`` on ``layout``."""
         size = sum(layout.values())
         hosts = list(layout.items())
-        env = launcher.job_environment(self.variables, hosts, size, self.flavor,
-                                       self.args.network_interface, self.environ)
+        env = job_environment(self.variables, hosts, size, self.flavor,
+                              self.args.network_interface, self.environ)
         env.update(self.elastic_variables(layout))
         args = argparse.Namespace(**{**vars(self.args), "nprocs": size, "command": program})
-        return launcher.mpirun_command(self.mpirun, self.flavor, args, hosts, env), env
+        return mpirun_command(self.mpirun, self.flavor, args, hosts, env), env
 
     def elastic_variables(self, layout):
         first = next(iter(layout))
@@ -286,7 +289,7 @@ class Supervisor:
             return
         line, env = self.command(hosts, [sys.executable, "-m", elastic_job.__name__,
                                          "remove"])
-        if launcher.all_on_this_machine(list(hosts.items())):
+        if all_on_this_machine(list(hosts.items())):
             elastic_job.remove_this_hosts_commits(elastic_job.this_job(env))
             return
         try:

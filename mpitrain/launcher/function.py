@@ -25,8 +25,8 @@ import warnings
 import cloudpickle
 
 from mpitrain.launcher import elastic_arguments, located_pickle
-from mpitrain.launcher.run import (
-    all_on_this_machine, build_parser, parse_hosts, read_hostfile)
+from mpitrain.launcher.arguments import build_parser
+from mpitrain.launcher.hosts import all_on_this_machine, parse_hosts, read_hostfile
 from mpitrain.runtime import elastic_job
 
 FUNCTION = "function.pickle"
