@@ -10,8 +10,8 @@ import itertools
 
 import numpy as np
 
-from mpitrain.backends import arrays
 from mpitrain.backends import kernels
+from mpitrain.backends.host import divide_toward_zero
 
 _TABLES_KEPT = 128                 # segment tables cached on the device
 _sequence = itertools.count()      # orders readiness events across streams
@@ -133,7 +133,7 @@ class Device:
         exact where scale is 1; otherwise in float64, exact below 2**53."""
         with self.active():
             if scale == 1.0:
-                quotient = arrays.divide_toward_zero(values, divisor)
+                quotient = divide_toward_zero(values, divisor)
             else:
                 quotient = self.cupy.trunc(values.astype(np.float64) * scale / divisor)
             values[...] = quotient

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from mpitrain.backends.arrays import ALIGNMENT, aligned_bytes
+from mpitrain.backends.host import ALIGNMENT, aligned_bytes
 
 
 class RecycledBuffers:
@@ -40,7 +40,7 @@ class RecycledBuffers:
         return aligned_bytes(owner, nbytes)
 
     def empty(self, shape, dtype):
-        """An uninitialized C-contiguous array, like mpitrain.backends.arrays.empty."""
+        """An uninitialized C-contiguous array, like mpitrain.backends.host.empty."""
         dtype = np.dtype(dtype)
         return self.take(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 

@@ -19,7 +19,7 @@ import numpy as np
 from mpitrain.api import array_ops
 from mpitrain.api.handles import synchronize
 from mpitrain.api.objects import allgather_object
-from mpitrain.backends.arrays import ALIGNMENT
+from mpitrain.backends.host import ALIGNMENT
 from mpitrain.backends.recycled import RecycledBuffers
 from mpitrain.errors import MismatchError
 from mpitrain.ops import Average, Max, Sum

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpitrain.backends import arrays
-from mpitrain.backends.arrays import ALIGNMENT
+from mpitrain.backends.host import ALIGNMENT
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
