@@ -25,7 +25,8 @@ import numpy as np
 from mpi4py import MPI
 
 import mpitrain as mt
-from mpitrain.engine import controller, executor
+from mpitrain.engine import controller
+from mpitrain.engine.execution import executor
 from mpitrain.transport.channel import Channel
 
 from allreduce import target_sets

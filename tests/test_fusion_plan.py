@@ -4,8 +4,8 @@ the plan is a function of the responses and the set's route alone)."""
 import numpy as np
 
 from mpitrain.backends import dtypes
-from mpitrain.engine import fusion
-from mpitrain.engine.messages import Response
+from mpitrain.engine.execution import fusion
+from mpitrain.engine.negotiation.messages import Response
 from mpitrain.ops import OpType, ReduceOp
 
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from torch import nn
 
 import mpitrain as mt
 import mpitrain.torch as hvd
-from mpitrain.engine import fusion
+from mpitrain.engine.execution import fusion
 from mpitrain.transport import selection
 from tests.mpi_harness import mpi_test
 

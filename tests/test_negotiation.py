@@ -3,11 +3,11 @@
 import numpy as np
 
 from mpitrain.backends import dtypes
-from mpitrain.engine import control
-from mpitrain.engine.cache import HIT, INVALID, MISS, ResponseCache
-from mpitrain.engine.coordinator import Coordinator
-from mpitrain.engine.entries import signature
-from mpitrain.engine.messages import Request
+from mpitrain.engine.negotiation import control_vector
+from mpitrain.engine.negotiation.cache import HIT, INVALID, MISS, ResponseCache
+from mpitrain.engine.negotiation.coordinator import Coordinator
+from mpitrain.engine.handles import signature
+from mpitrain.engine.negotiation.messages import Request
 from mpitrain.ops import OpType, Sum
 
 FLOAT32 = dtypes.lookup(np.dtype(np.float32)).code
@@ -71,15 +71,15 @@ def test_cache_hits_invalidates_and_evicts_least_recently_used():
 
 def test_control_vector_round_trip():
     nbits = 130
-    vector = control.encode(control.UNCACHED, ready=0b1011 | 1 << 129,
+    vector = control_vector.encode(control_vector.UNCACHED, ready=0b1011 | 1 << 129,
                             invalid=1 << 64, submitted=0b11, nbits=nbits)
-    status, ready, invalid, submitted = control.decode(vector, nbits)
-    assert status == control.UNCACHED and ready == 0b1011 | 1 << 129
+    status, ready, invalid, submitted = control_vector.decode(vector, nbits)
+    assert status == control_vector.UNCACHED and ready == 0b1011 | 1 << 129
     assert invalid == 1 << 64 and submitted == 0b11
-    assert list(control.bits(ready)) == [0, 1, 3, 129]
+    assert list(control_vector.bits(ready)) == [0, 1, 3, 129]
     # AND across two ranks: "every rank" sets intersect, "some rank" sets unite
-    other = control.encode(control.SHUTDOWN, ready=0b0011, invalid=1, submitted=0b100,
-                           nbits=nbits)
-    status, ready, invalid, submitted = control.decode(vector & other, nbits)
-    assert status == control.UNCACHED | control.SHUTDOWN
+    other = control_vector.encode(control_vector.SHUTDOWN, ready=0b0011, invalid=1,
+                                  submitted=0b100, nbits=nbits)
+    status, ready, invalid, submitted = control_vector.decode(vector & other, nbits)
+    assert status == control_vector.UNCACHED | control_vector.SHUTDOWN
     assert ready == 0b0011 and invalid == 1 << 64 | 1 and submitted == 0b111

@@ -15,7 +15,7 @@ import numpy as np
 from mpitrain.api import array_ops
 from mpitrain.api.objects import allgather_object
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.engine.coordinator import describe_by_rank
+from mpitrain.engine.negotiation.coordinator import describe_by_rank
 from mpitrain.errors import ERROR_CLASSES, MismatchError, RankNames
 
 

@@ -15,8 +15,7 @@ from mpitrain.api import basics
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.backends import arrays, dtypes
 from mpitrain.engine import naming
-from mpitrain.engine.entries import Handle
-from mpitrain.engine.handles import GroupHandle, synchronize
+from mpitrain.engine.handles import GroupHandle, Handle, synchronize
 from mpitrain.errors import ERROR_CLASSES
 from mpitrain.ops import (
     Adasum, Average, OpType, ReduceOp, Sum, adasum_size_problem, resolve_op)
@@ -100,7 +99,7 @@ def _checked_name(name):
     was made. Another name still travels, as its str(), so that ranks that
     gave that string fail with this rank's error; its request stands for the
     call the other ranks make meanwhile under a name of their own (see
-    mpitrain.engine.refused), which fails too, instead of waiting for it.
+    mpitrain.engine.negotiation.refused), which fails too, instead of waiting for it.
     """
     if type(name) is str:
         return name, "", None
@@ -243,7 +242,7 @@ def _submit(engine, controller, prepared):
         return handles
     first = problems[0]
     for handle in handles:
-        handle.ghost = True
+        handle.failed_locally = True
         handle.error = str(first)
         handle.error_kind = first.kind
     engine.enqueue_many(controller, handles)

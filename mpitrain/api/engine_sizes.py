@@ -11,7 +11,7 @@ the adapters' one door to them.
 """
 
 from mpitrain.api import basics
-from mpitrain.engine import fusion
+from mpitrain.engine.execution import fusion
 
 # A gradient of this many bytes or more is reduced in its own memory; smaller
 # ones are packed into a fusion buffer and unpacked afterwards.
@@ -26,7 +26,7 @@ def fusion_threshold():
 
 def streamed(process_set, nbytes):
     """Would the engine stream a fused group of nbytes of host arrays of this
-    set through shared memory (mpitrain.engine.streaming)?"""
+    set through shared memory (mpitrain.engine.execution.streaming)?"""
     controller = basics.engine().controller_for(process_set.process_set_id)
     return (controller is not None and controller.streams_from is not None
             and nbytes >= controller.streams_from)

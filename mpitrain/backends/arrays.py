@@ -13,9 +13,6 @@ import warnings
 import numpy as np
 
 from mpitrain.backends.host import HOST
-# The engine's executor, streaming and claims modules still take these host
-# helpers from here; this import goes when they take them from host.py.
-from mpitrain.backends.host import empty, host_address, scale_integers, scale_into
 
 
 def cupy():

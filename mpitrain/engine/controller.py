@@ -11,17 +11,17 @@ import time
 
 from mpi4py import MPI
 
-from mpitrain.engine import control, fusion
 from mpitrain.engine import naming
-from mpitrain.engine.autotune import Autotuner
-from mpitrain.engine.cache import CACHEABLE, HIT, INVALID, ResponseCache
-from mpitrain.engine.claims import MemoryClaims
-from mpitrain.engine.coordinator import Coordinator
-from mpitrain.engine.entries import CACHED, QUEUED, SENT
-from mpitrain.engine.executor import Executor
-from mpitrain.engine.handles import notify_waiters
-from mpitrain.engine.messages import Response
-from mpitrain.engine.stall import StallInspector
+from mpitrain.engine.execution import fusion
+from mpitrain.engine.execution.claims import MemoryClaims
+from mpitrain.engine.execution.executor import Executor
+from mpitrain.engine.handles import CACHED, QUEUED, SENT, notify_waiters
+from mpitrain.engine.negotiation import control_vector
+from mpitrain.engine.negotiation.autotune import Autotuner
+from mpitrain.engine.negotiation.cache import CACHEABLE, HIT, INVALID, ResponseCache
+from mpitrain.engine.negotiation.coordinator import Coordinator
+from mpitrain.engine.negotiation.messages import Response
+from mpitrain.engine.negotiation.stall import StallInspector
 from mpitrain.errors import ERROR_CLASSES, GpuError, MpitrainInternalError, RankNames
 from mpitrain.ops import OpType
 from mpitrain.transport.channel import ROUND, Channel
@@ -45,7 +45,7 @@ def _slots_like(cache, entry):
     be the call that ``entry``, whose name its rank refused, stands for."""
     mask = 0
     if entry.dtype is None:
-        return mask                 # it fits no call (mpitrain.engine.refused)
+        return mask                 # it fits no call (mpitrain.engine.negotiation.refused)
     for slot in cache.occupied():
         response = cache.response(slot)
         if response.kind == entry.kind and response.dtype == entry.dtype.code:
@@ -199,7 +199,7 @@ class SetController:
            this rank joined.
         2. Sort the pending entries against the response cache (_classify)
            and contribute a control vector to one bitwise AND across the set
-           (control.py): the status flags any rank raised (joined, uncached,
+           (control_vector.py): the status flags any rank raised (joined, uncached,
            shutting down), the slots every rank has ready, those some rank
            found invalid, those some rank really submitted. In steady state
            this one small allreduce is the whole negotiation.
@@ -234,7 +234,7 @@ class SetController:
             pending[entry.name] = entry
             if entry.kind == JOIN:
                 self.joined = True
-            if timeline is not None and not entry.ghost:
+            if timeline is not None and not entry.failed_locally:
                 timeline.begin([entry.name], "NEGOTIATE_" + entry.kind.name,
                                entry.enqueued)
         if timeline is not None:
@@ -244,28 +244,28 @@ class SetController:
         ready, invalid, uncached = self._classify(now)
         submitted = ready
         if self.joined:
-            status |= control.JOINED
+            status |= control_vector.JOINED
             ready |= self._allreduce_slots()
         if uncached or (self.tuner and self.tuner.pending):
-            status |= control.UNCACHED
+            status |= control_vector.UNCACHED
         if self.channel.blocking and engine.stop_requested:
-            status |= control.SHUTDOWN
+            status |= control_vector.SHUTDOWN
         nbits = self.cache.nbits
-        vector = control.encode(status, ready, invalid, submitted, nbits)
-        self.channel.doing = ROUND
+        vector = control_vector.encode(status, ready, invalid, submitted, nbits)
+        self.channel.activity = ROUND
         yield from self.channel.round(vector)
-        status, ready, invalid, submitted = control.decode(vector, nbits)
+        status, ready, invalid, submitted = control_vector.decode(vector, nbits)
 
-        if status & control.SHUTDOWN:
+        if status & control_vector.SHUTDOWN:
             reason = yield from engine.agree_to_stop(self.channel)
             raise EngineStopped(reason)
-        self.any_joined = bool(status & control.JOINED)
+        self.any_joined = bool(status & control_vector.JOINED)
         groups = self._cached_plan(ready & submitted)
-        for slot in control.bits(invalid):
+        for slot in control_vector.bits(invalid):
             self.cache.erase(slot)
-        if status & control.UNCACHED:
+        if status & control_vector.UNCACHED:
             fresh = self._apply_parameters((yield from self._negotiate(uncached, now)))
-            if not status & control.JOINED:
+            if not status & control_vector.JOINED:
                 for response in fresh:
                     entry = self.pending.get(response.name)
                     if response.kind in CACHEABLE and entry is not None:
@@ -316,7 +316,7 @@ class SetController:
         key = (slots, self.cache.generation)
         known = self._plans.get(key)
         if known is None:
-            ordered = list(control.bits(slots))
+            ordered = list(control_vector.bits(slots))
             known = (ordered, fusion.plan([self.cache.response(s) for s in ordered],
                                           self.fusion_threshold, self.streams_from))
             if len(self._plans) >= 64:
@@ -415,7 +415,7 @@ class SetController:
         entries = self.pending
         if timeline is not None:
             timeline.end([name for group in groups for name in group.names
-                          if name in entries and not entries[name].ghost])
+                          if name in entries and not entries[name].failed_locally])
         published = time.monotonic()
         for group in groups:
             response = group.responses[0]

@@ -85,9 +85,9 @@ class Engine:
     def enqueue(self, controller, entry):
         """Hand one handle to the engine (the hot path of every async call).
 
-        Returns why its arrays may not be used now (see mpitrain.engine.claims), or
-        None. Such an entry still goes, carrying that error, so that the
-        other ranks fail its name too.
+        Returns why its arrays may not be used now (see
+        mpitrain.engine.execution.claims), or None. Such an entry still goes,
+        carrying that error, so that the other ranks fail its name too.
         """
         name = entry.name
         with self._mutex:
@@ -96,9 +96,9 @@ class Engine:
             existing = controller.in_flight.get(name)
             if existing is not None:
                 existing = _last_failed(existing, controller)
-            conflict = None if entry.ghost else controller.claims.claim(entry)
+            conflict = None if entry.failed_locally else controller.claims.claim(entry)
             if conflict is not None:
-                _carry(entry, conflict)
+                _fail_locally(entry, conflict)
             if existing is None:
                 controller.in_flight[name] = entry
                 controller.incoming.append(entry)
@@ -237,7 +237,7 @@ class Engine:
             return
         raise EngineStopped(
             f"rank {me} waited {waited:.0f} s in process set {controller.set_id}'s "
-            f"{controller.channel.doing}, which moved no data meanwhile: {blame}")
+            f"{controller.channel.activity}, which moved no data meanwhile: {blame}")
 
     def agree_to_stop(self, channel):
         """Run on the job-wide round that saw a stop request: learn who and why."""
@@ -278,8 +278,8 @@ class Engine:
         return set_id
 
 
-def _carry(entry, conflict):
-    entry.ghost = True
+def _fail_locally(entry, conflict):
+    entry.failed_locally = True
     entry.error = conflict
     entry.error_kind = "value"
 
@@ -287,12 +287,12 @@ def _carry(entry, conflict):
 def _claim_all(claims, entries):
     """Claim every entry's arrays, or none: the first conflict fails them all."""
     for entry in entries:
-        conflict = None if entry.ghost else claims.claim(entry)
+        conflict = None if entry.failed_locally else claims.claim(entry)
         if conflict is not None:
             for other in entries:
                 if other.claimed is not None:
                     claims.release(other)
-                _carry(other, conflict)
+                _fail_locally(other, conflict)
             return conflict
     return None
 
@@ -303,7 +303,7 @@ def _last_failed(entry, controller):
     the other ranks); otherwise the name is still in use."""
     while entry.successor is not None:
         entry = entry.successor
-    if not entry.ghost:
+    if not entry.failed_locally:
         raise _duplicate(entry.name, controller)
     return entry
 

@@ -236,7 +236,7 @@ class Watch:
             inside, since = self._inside, self._since
         busy = [c for c in list(self.engine.controllers.values())
                 if c.coroutine is not None]
-        transferring = float(any(c.channel.doing != ROUND for c in busy))
+        transferring = float(any(c.channel.activity != ROUND for c in busy))
         if inside is not None:
             return now - since, float(not inside.endswith(ROUND)), inside
         if self.working:

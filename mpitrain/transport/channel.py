@@ -86,9 +86,9 @@ class Channel:
         # (mpitrain.transport.host; only on the blocking channel)
         self.host_route = host_route
         # guard(what) wraps every blocking call, so that one which stops
-        # moving data is noticed (mpitrain.engine.watch); doing says what for.
+        # moving data is noticed (mpitrain.engine.watch); activity says what for.
         self.guard = guard
-        self.doing = ROUND
+        self.activity = ROUND
         # Open MPI reduces 1-16 MiB per call faster per byte than larger calls.
         self.chunk_size = chunk_size
         self.rank = comm.rank
@@ -98,7 +98,7 @@ class Channel:
         """The guard of one blocking call (a no-op without a watch)."""
         if self.guard is None:
             return contextlib.nullcontext()
-        return self.guard(f"{what} of the {self.doing}")
+        return self.guard(f"{what} of the {self.activity}")
 
     def round(self, vector):
         """The control round: always non-blocking, so an idle rank can sleep."""

@@ -41,7 +41,7 @@ class HostRoute:
 
     def takes(self, nbytes, streamed=False):
         """Does the reducer take a buffer of nbytes? streamed: a fused group's
-        tensors, streamed chunk by chunk (mpitrain.engine.streaming)."""
+        tensors, streamed chunk by chunk (mpitrain.engine.execution.streaming)."""
         least = self.stream_min_bytes if streamed else self.min_bytes
         return self.reducer is not None and nbytes >= least
 

@@ -35,7 +35,7 @@ class Group:
     wire: np.dtype           # the type it is reduced in (mpitrain.backends.dtypes.wire)
     op: ReduceOp
     nbytes: int              # of its buffer
-    streamed: bool = False   # fused host tensors that may stream (mpitrain.engine.streaming)
+    streamed: bool = False   # fused host tensors that may stream (mpitrain.engine.execution.streaming)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 import mpitrain as mt
-from mpitrain.engine.entries import Handle
+from mpitrain.engine.handles import Handle
 
 BLOCKS = {                       # name: (shape, dtype)
     "bias": ((1,), np.float64),

@@ -3,7 +3,7 @@
 import math
 
 from mpitrain.backends import dtypes
-from mpitrain.engine.streaming import streams
+from mpitrain.engine.execution.streaming import streams
 from mpitrain.ops import OpType
 
 
@@ -70,7 +70,7 @@ def plan(responses, threshold, streams_from=None):
     allreduce of ALONE_BYTES or more, which needs no conversion, is reduced
     in its own memory; every other response runs alone. Where the set
     streams groups of ``streams_from`` bytes or more through shared memory
-    (without the fusion buffer's copies, mpitrain.engine.streaming), large
+    (without the fusion buffer's copies, mpitrain.engine.execution.streaming), large
     allreduces that can stream join groups that reach that size. The plan
     depends only on the responses and the set's route, which are identical
     on every rank, so every rank fuses identically.

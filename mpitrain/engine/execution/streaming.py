@@ -12,7 +12,7 @@ import bisect
 
 
 from mpitrain.backends import dtypes
-from mpitrain.backends.arrays import scale_into
+from mpitrain.backends.host import scale_into
 from mpitrain.ops import ReduceOp
 
 

@@ -17,10 +17,10 @@ import types
 
 import numpy as np
 
-from mpitrain.backends import arrays, dtypes
+from mpitrain.backends import arrays, dtypes, host
 from mpitrain.backends.recycled import RecycledBuffers
-from mpitrain.engine import scaling
-from mpitrain.engine.streaming import Stream, flat, streams
+from mpitrain.engine.execution import scaling
+from mpitrain.engine.execution.streaming import Stream, flat, streams
 from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp
 from mpitrain.transport import adasum, routes
@@ -47,7 +47,7 @@ class Executor:
     def run(self, group, entries):
         response = group.responses[0]
         kind = response.kind
-        self.channel.doing = f"{kind.label} of {listed(group.names)}"
+        self.channel.activity = f"{kind.label} of {listed(group.names)}"
         if kind == OpType.ALLREDUCE:
             yield from self._traced(group.names, "ALLREDUCE",
                                     self._allreduce(group, entries))
@@ -307,7 +307,8 @@ class Executor:
     def _allreduce_streamed(self, choice, group, members, buffer, sources, outputs,
                             prescale, factor):
         """Through the host reducer, each chunk's inputs go straight into shared
-        memory and its results straight into the outputs (mpitrain.engine.streaming)."""
+        memory and its results straight into the outputs
+        (mpitrain.engine.execution.streaming)."""
         stream = Stream(group.starts, group.counts, [flat(s) for s in sources],
                         [flat(o) for o in outputs], prescale, factor, buffer.dtype)
         yield from self._traced(group.names, "MPI_ALLREDUCE", routes.host_allreduce(
@@ -379,10 +380,10 @@ class Executor:
         if fill is not None:
             fill(0, buffer.size, buffer)
         if self.channel.size > 1:
-            host = buffer if backend is arrays.HOST else backend.to_numpy(buffer)
-            yield from adasum.allreduce(self.channel, host, counts)
-            if host is not buffer:
-                backend.from_numpy(host, buffer)
+            in_host = buffer if backend is arrays.HOST else backend.to_numpy(buffer)
+            yield from adasum.allreduce(self.channel, in_host, counts)
+            if in_host is not buffer:
+                backend.from_numpy(in_host, buffer)
         if factor != 1.0:
             backend.scale_into(buffer, factor, buffer)
 
@@ -410,7 +411,7 @@ class Executor:
 
     def _allgather(self, response, entry):
         row = math.prod(response.shape) * entry.dtype.numpy.itemsize
-        output = arrays.empty((sum(response.first_dims),) + response.shape,
+        output = host.empty((sum(response.first_dims),) + response.shape,
                               entry.dtype.numpy)
         send = np.ascontiguousarray(entry.input)
         yield from self.channel.allgatherv(
@@ -421,7 +422,7 @@ class Executor:
         root = response.root == self.channel.rank
         target = entry.output
         if target is None:
-            target = arrays.empty(response.shape, entry.dtype.numpy)
+            target = host.empty(response.shape, entry.dtype.numpy)
             if root:
                 np.copyto(target, entry.input)
         elif root and target is not entry.input:
@@ -442,7 +443,7 @@ class Executor:
         received = np.empty_like(counts)
         yield from self.channel.alltoall(counts, received)
         receive_rows = received[:, 0].copy()
-        output = arrays.empty((int(receive_rows.sum()),) + trailing, entry.dtype.numpy)
+        output = host.empty((int(receive_rows.sum()),) + trailing, entry.dtype.numpy)
         send = np.ascontiguousarray(entry.input)
         yield from self.channel.alltoallv(
             as_bytes(send), (send_rows * row).tolist(),
@@ -457,7 +458,7 @@ class Executor:
         row = math.prod(response.shape[1:])
         counts = [n * row for n in rows]
         send = self.buffers.get(wire, sum(counts), arrays.HOST)[:sum(counts)]
-        arrays.scale_into(entry.input, response.prescale if integer is None else 1.0,
+        host.scale_into(entry.input, response.prescale if integer is None else 1.0,
                           send.reshape(response.shape))
         received = np.empty(counts[self.channel.rank], dtype=wire)
         size = self.channel.size
@@ -468,16 +469,16 @@ class Executor:
             yield from self.channel.reduce_scatter(remainders, remainders_received, counts,
                                                    response.op)
         yield from self.channel.reduce_scatter(send, received, counts, response.op)
-        output = arrays.empty((rows[self.channel.rank],) + response.shape[1:],
+        output = host.empty((rows[self.channel.rank],) + response.shape[1:],
                               dtype.numpy)
         factor = self._scale_after(response)
         if split:
             scaling.combine(received, remainders_received, size, integer[0])
             factor = 1.0
         elif integer is not None:
-            arrays.scale_integers(received, *integer)
+            host.scale_integers(received, *integer)
             factor = 1.0
-        arrays.scale_into(received.reshape(output.shape), factor, output)
+        host.scale_into(received.reshape(output.shape), factor, output)
         return output
 
 

@@ -11,7 +11,7 @@ start elsewhere are not caught.
 
 import numpy as np
 
-from mpitrain.backends.arrays import host_address
+from mpitrain.backends.host import host_address
 
 
 def address(array):

@@ -10,8 +10,8 @@ import dataclasses
 
 from mpitrain.backends import dtypes
 from mpitrain.engine import naming
-from mpitrain.engine.messages import Response
-from mpitrain.engine.refused import RefusedNames
+from mpitrain.engine.negotiation.messages import Response
+from mpitrain.engine.negotiation.refused import RefusedNames
 from mpitrain.errors import RankNames
 from mpitrain.ops import OpType, ReduceOp
 
@@ -91,7 +91,7 @@ class Coordinator:
             if lapsed.name not in ready:
                 self._retire(lapsed, responses)
 
-    # -- names a rank refused (see mpitrain.engine.refused) ----------------------
+    # -- names a rank refused (see mpitrain.engine.negotiation.refused) ------
 
     def _stand_in(self, request, ready, responses):
         """Let a request whose name its rank refused fail the oldest waiting
