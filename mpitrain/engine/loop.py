@@ -13,6 +13,7 @@ import traceback
 
 from mpi4py import MPI
 
+from mpitrain.engine import submission
 from mpitrain.engine.controller import EngineStopped, SetController
 from mpitrain.engine.handles import notify_waiters
 from mpitrain.engine.timeline import Timeline
@@ -89,49 +90,22 @@ class Engine:
         mpitrain.engine.execution.claims), or None. Such an entry still goes,
         carrying that error, so that the other ranks fail its name too.
         """
-        name = entry.name
         with self._mutex:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
-            existing = controller.in_flight.get(name)
-            if existing is not None:
-                existing = _last_failed(existing, controller)
-            conflict = None if entry.failed_locally else controller.claims.claim(entry)
-            if conflict is not None:
-                _fail_locally(entry, conflict)
-            if existing is None:
-                controller.in_flight[name] = entry
-                controller.incoming.append(entry)
-            else:
-                existing.successor = entry
+            conflict = submission.accept(controller, entry)
             if self._sleeping:
                 self._sleeping = False       # one wake-up is enough for a burst
                 self.lock.notify()
         return conflict
 
     def enqueue_many(self, controller, entries):
-        """Hand entries to the engine at once, so one round sees them all.
-
-        A name still in flight is a ValueError, unless it belongs to entries
-        that already failed locally: the new one then waits behind them.
-        Returns, as enqueue does, a conflict over arrays: then every entry
-        carries it.
-        """
-        names = [entry.name for entry in entries]
-        if len(set(names)) != len(names):
-            raise ValueError(f"a grouped call repeats names: {names}")
+        """Hand entries to the engine at once, so one round sees them all
+        (submission.accept_many says what may fail)."""
         with self.lock:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
-            behind = {name: _last_failed(controller.in_flight[name], controller)
-                      for name in names if name in controller.in_flight}
-            conflict = _claim_all(controller.claims, entries)
-            for name, entry in zip(names, entries):
-                if name in behind:
-                    behind[name].successor = entry
-                else:
-                    controller.in_flight[name] = entry
-                    controller.incoming.append(entry)
+            conflict = submission.accept_many(controller, entries)
             if self._sleeping:
                 self._sleeping = False
                 self.lock.notify()
@@ -276,43 +250,6 @@ class Engine:
             controller.fail_all(ShutdownError(f"process set {set_id} was removed"))
             controller.channel.comm.Free()
         return set_id
-
-
-def _fail_locally(entry, conflict):
-    entry.failed_locally = True
-    entry.error = conflict
-    entry.error_kind = "value"
-
-
-def _claim_all(claims, entries):
-    """Claim every entry's arrays, or none: the first conflict fails them all."""
-    for entry in entries:
-        conflict = None if entry.failed_locally else claims.claim(entry)
-        if conflict is not None:
-            for other in entries:
-                if other.claimed is not None:
-                    claims.release(other)
-                _fail_locally(other, conflict)
-            return conflict
-    return None
-
-
-def _last_failed(entry, controller):
-    """The last entry queued under ``entry``'s name, which a new submission
-    may wait behind only if it failed locally (its error is on its way to
-    the other ranks); otherwise the name is still in use."""
-    while entry.successor is not None:
-        entry = entry.successor
-    if not entry.failed_locally:
-        raise _duplicate(entry.name, controller)
-    return entry
-
-
-def _duplicate(name, controller):
-    return ValueError(
-        f"an operation named '{name}' is already in flight on this rank (process "
-        f"set {controller.set_id}); synchronize it before reusing the name, or pick "
-        "another name")
 
 
 def create_communicator(comm, ranks):
