@@ -29,6 +29,7 @@ from mpi4py import MPI  # noqa: E402  (after the setting above)
 
 from allreduce import alternate_times, raw  # noqa: E402
 from mpitrain.ops import ReduceOp  # noqa: E402
+from mpitrain.transport.chunk_io import ChunkIO  # noqa: E402
 from mpitrain.transport.shm import DEFAULT_CHUNK_BYTES, SharedMemoryAllreduce  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -40,10 +41,18 @@ def shared_in_place(reducer, buffer):
     return lambda: _run(reducer.allreduce(buffer, ReduceOp.SUM))
 
 
+class _CopiedIn(ChunkIO):
+    fills = True
+
+    def __init__(self, source):
+        self.source = source
+
+    def fill(self, start, stop, destination):
+        np.copyto(destination, self.source[start:stop])
+
+
 def shared_with_fill(reducer, source, result):
-    def fill(start, stop, destination):
-        np.copyto(destination, source[start:stop])
-    return lambda: _run(reducer.allreduce(result, ReduceOp.SUM, fill=fill))
+    return lambda: _run(reducer.allreduce(result, ReduceOp.SUM, _CopiedIn(source)))
 
 
 def _run(collective):

@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.chunk_io import ChunkIO
 from mpitrain.transport.hierarchical import (
     HierarchicalAllgather, HierarchicalAllreduce, MpiInsideNode)
 from mpitrain.transport.shm import SharedMemoryAllreduce
@@ -50,13 +51,16 @@ def check_fill_and_after(reducer):
     buffer = np.full(source.size, np.nan)
     seen = np.zeros(source.size, np.int64)
 
-    def fill(start, stop, destination):
-        destination[...] = source[start:stop] * 2
+    class Doubled(ChunkIO):
+        fills = True
 
-    def after(start, stop):
-        seen[start:stop] += 1
+        def fill(self, start, stop, destination):
+            destination[...] = source[start:stop] * 2
 
-    list(reducer.allreduce(buffer, ReduceOp.SUM, fill, after))
+        def reduced(self, start, stop):
+            seen[start:stop] += 1
+
+    list(reducer.allreduce(buffer, ReduceOp.SUM, Doubled()))
     want = 2 * (size * np.arange(source.size, dtype=np.float64) + sum(range(size)))
     np.testing.assert_array_equal(buffer, want)
     np.testing.assert_array_equal(seen, 1)

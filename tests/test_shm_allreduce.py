@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.chunk_io import ChunkIO
 from mpitrain.transport.shm import NAME_PREFIX, SharedMemoryAllreduce
 from tests.mpi_harness import mpi_test, run_mpi
 
@@ -107,15 +108,18 @@ def test_fill_writes_the_input_and_after_sees_each_result_once():
     buffer = np.full(size, np.nan, np.float32)      # holds no input with fill
     seen = np.zeros(size, int)
 
-    def fill(start, stop, destination):
-        assert len(destination) == stop - start
-        np.multiply(inputs[comm.rank][start:stop], 3, out=destination)
+    class Tripled(ChunkIO):
+        fills = True
 
-    def after(start, stop):
-        np.testing.assert_array_equal(buffer[start:stop], want[start:stop])
-        seen[start:stop] += 1
+        def fill(self, start, stop, destination):
+            assert len(destination) == stop - start
+            np.multiply(inputs[comm.rank][start:stop], 3, out=destination)
 
-    drive(reducer.allreduce(buffer, ReduceOp.SUM, fill=fill, after=after))
+        def reduced(self, start, stop):
+            np.testing.assert_array_equal(buffer[start:stop], want[start:stop])
+            seen[start:stop] += 1
+
+    drive(reducer.allreduce(buffer, ReduceOp.SUM, Tripled()))
     np.testing.assert_array_equal(buffer, want)
     np.testing.assert_array_equal(seen, 1)
     reducer.close()
@@ -216,6 +220,7 @@ import os, signal, sys
 import numpy as np
 from mpi4py import MPI
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.chunk_io import ChunkIO
 from mpitrain.transport.shm import SharedMemoryAllreduce
 
 directory, victim = sys.argv[1], int(sys.argv[2])
@@ -223,12 +228,13 @@ comm = MPI.COMM_WORLD
 reducer = SharedMemoryAllreduce(comm, 4096, directory=directory)
 print("made", reducer.path, flush=True)
 
-def after(start, stop):
-    if start > 3 * 1024 and comm.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
+class DiesMidway(ChunkIO):
+    def reduced(self, start, stop):
+        if start > 3 * 1024 and comm.rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 for _ in range(1000):
-    list(reducer.allreduce(np.ones(10_000, np.float32), ReduceOp.SUM, after=after))
+    list(reducer.allreduce(np.ones(10_000, np.float32), ReduceOp.SUM, DiesMidway()))
 """
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.chunk_io import PLAIN
 
 PIECE = 1 << 30                  # bytes per piece of a large transfer
 COUNT_LIMIT = (1 << 31) - 1      # MPI's counts and offsets are C ints (tests lower it)
@@ -133,57 +134,44 @@ class Channel:
         return [(start, min(start + step, count))
                 for start in range(0, max(count, 1), step)]
 
-    def allreduce(self, buffer, op, fill=None, after=None, drain=None):
+    def allreduce(self, buffer, op, io=PLAIN):
         """MPI's allreduce of a 1-D buffer in place, in chunks of about chunk_size
         bytes: host memory, or device memory where the route table says MPI
-        takes it (mpitrain.transport.routes).
-
-        fill(start, stop, destination), if given, writes the input's elements
-        start:stop into destination (buffer[start:stop], or shared memory)
-        right before they travel; without it the buffer holds the input.
-        after(start, stop) runs on each reduced chunk of the buffer: on the
-        blocking channel right after it arrives, while it is still in cache.
-        drain(start, stop, source), instead of after, takes each chunk's
-        results from source, which may be shared memory: buffer then need
-        not hold them.
-        """
-        after = draining(buffer, after, drain)
+        takes it (mpitrain.transport.routes). io (a ChunkIO) fills each chunk
+        right before it travels and hands its result on right after it
+        arrives: on the blocking channel while it is still in cache."""
         mpi_op = mpi_operation(op, buffer.dtype)
         mpi_type = MPI_TYPES[buffer.dtype]
         bounds = self.chunks(buffer.size, buffer.itemsize)
         if self.blocking:
             for start, stop in bounds:
-                if fill is not None:
-                    fill(start, stop, buffer[start:stop])
+                if io.fills:
+                    io.fill(start, stop, buffer[start:stop])
                 with self._blocking("MPI_Allreduce"):
                     self.comm.Allreduce(MPI.IN_PLACE, [buffer[start:stop], mpi_type],
                                         mpi_op)
-                if after is not None:
-                    after(start, stop)
+                io.arrived(buffer, start, stop)
             return
         # At most WINDOW pieces in flight: they complete one after another,
         # which shows the transfer moving (mpitrain.engine.watch), and a piece's
-        # after() runs while the next ones travel.
+        # result is handed on while the next ones travel.
         in_flight = []
         for start, stop in bounds:
-            if fill is not None:
-                fill(start, stop, buffer[start:stop])
+            if io.fills:
+                io.fill(start, stop, buffer[start:stop])
             in_flight.append((start, stop, self.comm.Iallreduce(
                 MPI.IN_PLACE, [buffer[start:stop], mpi_type], mpi_op)))
             if len(in_flight) == WINDOW:
-                yield from _completed(in_flight.pop(0), after)
+                yield from _completed(in_flight.pop(0), buffer, io)
         for piece in in_flight:
-            yield from _completed(piece, after)
+            yield from _completed(piece, buffer, io)
 
-    def allreduce_by_host_reducer(self, buffer, op, fill=None, after=None, drain=None,
-                                  read=None):
+    def allreduce_by_host_reducer(self, buffer, op, io=PLAIN):
         """The job's host reducer (shared memory, or hierarchical) on a 1-D host
         buffer, its barriers watched like this channel's calls; as allreduce,
-        and read(start, stop): the input's elements start:stop where they lie,
-        which it may reduce from directly (SharedMemoryAllreduce.allreduce)."""
-        yield from self.host_route.reducer.allreduce(buffer, op, fill, after,
-                                                     guard=self._blocking,
-                                                     drain=drain, read=read)
+        and the reducer may combine this rank's input where io.read says it
+        lies (SharedMemoryAllreduce.allreduce)."""
+        yield from self.host_route.reducer.allreduce(buffer, op, io, guard=self._blocking)
 
     def close(self):
         """Let go of the host route's shared memory (the communicator is the owner's)."""
@@ -329,13 +317,6 @@ class Channel:
         return _unpickled(received, sizes)
 
 
-def draining(buffer, after, drain):
-    """after(start, stop) of an allreduce into buffer that hands drain its results."""
-    if drain is None:
-        return after
-    return lambda start, stop: drain(start, stop, buffer[start:stop])
-
-
 def starts_of(counts):
     """Where each part starts, and the end: [0, c0, c0 + c1, ...]."""
     starts = [0]
@@ -348,12 +329,11 @@ def _pieces(view):
     return [view[i:i + PIECE] for i in range(0, max(view.size, 1), PIECE)]
 
 
-def _completed(piece, after):
-    """Wait for one piece of a non-blocking allreduce, then run after() on it."""
+def _completed(piece, buffer, io):
+    """Wait for one piece of a non-blocking allreduce, then hand its result on."""
     start, stop, request = piece
     yield request
-    if after is not None:
-        after(start, stop)
+    io.arrived(buffer, start, stop)
 
 
 def _pickled(obj):

@@ -20,6 +20,7 @@ import numpy as np
 
 from mpitrain.errors import GpuError
 from mpitrain.transport import nccl, routes
+from mpitrain.transport.chunk_io import ChunkIO
 from mpitrain.transport.nccl import NcclAllreduce
 
 log = logging.getLogger("mpitrain")
@@ -116,18 +117,33 @@ def _staged(buffer, op, channel, backend, host_leg):
     host = backend.pinned(buffer.dtype, buffer.size)
     copies = [backend.download(buffer[start:stop], host[start:stop])
               for start, stop in channel.chunks(buffer.size, buffer.itemsize)]
-    step = channel.chunk_elements(buffer.itemsize)
-
-    def fill(start, stop, destination):
-        # The channel's route may travel in other pieces than the copies.
-        for copy in copies[start // step:(stop - 1) // step + 1]:
-            copy.synchronize()
-        if not np.shares_memory(destination, host):      # shared memory: copy on
-            np.copyto(destination, host[start:stop])
-
     yield from routes.host_allreduce(
-        host_leg, channel, host, op, fill=fill,
-        after=lambda start, stop: backend.upload(host[start:stop], buffer[start:stop]))
+        host_leg, channel, host, op,
+        _Staged(buffer, host, copies, channel.chunk_elements(buffer.itemsize), backend))
+
+
+class _Staged(ChunkIO):
+    """A device buffer's chunks through pinned host memory: each chunk waits
+    for its download before it travels and is uploaded once reduced."""
+
+    fills = True
+
+    def __init__(self, buffer, host, copies, step, backend):
+        self.buffer = buffer
+        self.host = host
+        self.copies = copies            # the downloads, one per step elements
+        self.step = step
+        self.backend = backend
+
+    def fill(self, start, stop, destination):
+        # The channel's route may travel in other pieces than the copies.
+        for copy in self.copies[start // self.step:(stop - 1) // self.step + 1]:
+            copy.synchronize()
+        if not np.shares_memory(destination, self.host):   # shared memory: copy on
+            np.copyto(destination, self.host[start:stop])
+
+    def reduced(self, start, stop):
+        self.backend.upload(self.host[start:stop], self.buffer[start:stop])
 
 
 def _shared_gpus(places):

@@ -17,7 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain.transport.channel import (
-    COUNT_LIMIT, MPI_TYPES, draining, even_split, mpi_operation, starts_of)
+    COUNT_LIMIT, MPI_TYPES, even_split, mpi_operation, starts_of)
+from mpitrain.transport.chunk_io import PLAIN
 from mpitrain.transport.shm import unguarded
 
 
@@ -30,8 +31,7 @@ class HierarchicalAllreduce:
         self.inside = inside
         self.cross = cross
 
-    def allreduce(self, buffer, op, fill=None, after=None, guard=unguarded, drain=None,
-                  read=None):
+    def allreduce(self, buffer, op, io=PLAIN, guard=unguarded):
         """As SharedMemoryAllreduce.allreduce, across every node."""
         operation = mpi_operation(op, buffer.dtype)
         datatype = MPI_TYPES[buffer.dtype]
@@ -41,8 +41,7 @@ class HierarchicalAllreduce:
                 self.cross.Allreduce(MPI.IN_PLACE, [piece, datatype], operation)
             yield from ()
 
-        yield from self.inside.allreduce(buffer, op, fill, after, across, guard, drain,
-                                          read)
+        yield from self.inside.allreduce(buffer, op, io, across, guard)
 
     def close(self):
         self.inside.close()
@@ -56,10 +55,8 @@ class MpiInsideNode:
         self.comm = comm
         self.chunk_bytes = chunk_bytes
 
-    def allreduce(self, buffer, op, fill=None, after=None, across=None,
-                  guard=unguarded, drain=None, read=None):
-        """As SharedMemoryAllreduce.allreduce; read goes unused (fill serves)."""
-        after = draining(buffer, after, drain)
+    def allreduce(self, buffer, op, io=PLAIN, across=None, guard=unguarded):
+        """As SharedMemoryAllreduce.allreduce; io.read goes unused (fill serves)."""
         operation = mpi_operation(op, buffer.dtype)
         datatype = MPI_TYPES[buffer.dtype]
         per_chunk = max(1, self.chunk_bytes // buffer.itemsize)
@@ -67,8 +64,8 @@ class MpiInsideNode:
         for start in range(0, buffer.size, per_chunk):
             stop = min(start + per_chunk, buffer.size)
             chunk = buffer[start:stop]
-            if fill is not None:
-                fill(start, stop, chunk)
+            if io.fills:
+                io.fill(start, stop, chunk)
             counts = even_split(stop - start, size)
             starts = starts_of(counts)[:-1]
             mine = np.empty(counts[rank], buffer.dtype)
@@ -80,8 +77,7 @@ class MpiInsideNode:
             chunk[starts[rank]:starts[rank] + counts[rank]] = mine
             with guard("MPI_Allgatherv inside the node"):
                 self.comm.Allgatherv(MPI.IN_PLACE, [chunk, counts, starts, datatype])
-            if after is not None:
-                after(start, stop)
+            io.arrived(buffer, start, stop)
 
     def close(self):
         pass

@@ -33,7 +33,7 @@ AUTO_STREAM_MIN_BYTES = 256 << 10
 
 @dataclasses.dataclass
 class HostRoute:
-    reducer: object = None     # .allreduce(buffer, op, fill, after) generator; None: MPI's
+    reducer: object = None     # .allreduce(buffer, op, io) generator; None: MPI's
     min_bytes: int = 0         # smaller buffers take MPI's allreduce
     description: str = "MPI's allreduce"
     gatherer: object = None    # .allgatherv(send, receive, counts); None: MPI's

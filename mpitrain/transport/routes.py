@@ -123,9 +123,9 @@ def _first(group, offer):
     return next(route for route in ROUTES if route.takes(group, offer))
 
 
-def host_allreduce(route, channel, buffer, op, **pieces):
+def host_allreduce(route, channel, buffer, op, io):
     """Reduce the 1-D host ``buffer`` in place by the host route ``route``
-    (HOST_REDUCER or MPI); pieces: fill, after, drain, read (Channel.allreduce)."""
+    (HOST_REDUCER or MPI), its chunks in and out through io (a ChunkIO)."""
     if route is HOST_REDUCER:
-        return channel.allreduce_by_host_reducer(buffer, op, **pieces)
-    return channel.allreduce(buffer, op, **pieces)
+        return channel.allreduce_by_host_reducer(buffer, op, io)
+    return channel.allreduce(buffer, op, io)

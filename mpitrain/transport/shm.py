@@ -36,6 +36,7 @@ import secrets
 import numpy as np
 
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.chunk_io import PLAIN
 
 COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
            ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
@@ -99,32 +100,25 @@ class SharedMemoryAllreduce:
                 "(2 slots of chunk_bytes per rank): " + "; ".join(
                     f"rank {rank}: {cause}" for rank, cause in enumerate(causes) if cause))
 
-    def allreduce(self, buffer, op, fill=None, after=None, across=None,
-                  guard=unguarded, drain=None, read=None):
+    def allreduce(self, buffer, op, io=PLAIN, across=None, guard=unguarded):
         """Reduce ``buffer`` in place across comm (a generator).
 
         op: a ReduceOp (Average sums: the caller divides); NaNs propagate
-        through Min and Max whichever rank holds them. fill(start, stop, destination):
-        writes this rank's input elements start:stop into destination
-        (stop - start elements, in the segment or in buffer); given it,
-        buffer only receives the result. after(start, stop): called once
-        buffer[start:stop] holds its result. across(slice): a generator
-        function, run on this rank's reduced slice of every chunk before
-        the other ranks read it. guard(what): a context manager around
-        each blocking barrier, so that a watch sees the call move between
-        them (mpitrain.engine.watch). drain(start, stop, source): takes the
-        results of elements start:stop from source (in the segment) instead
-        of their copy into buffer, whose contents are then undefined; after
-        is not called. read(start, stop): this rank's input elements
-        start:stop where they lie, as (offset, array) pieces of buffer's
-        dtype, or None; given pieces, the rank combines its own slice from
-        them instead of filling it in first. Every rank must call with the
-        same size, dtype and op.
+        through Min and Max whichever rank holds them. io (a ChunkIO): where
+        each chunk's input comes from (fill, or read: this rank combines its
+        own slice from the input where it lies, instead of filling it in
+        first) and where its result goes (drain, straight from the segment;
+        else into buffer, then reduced). across(slice): a generator function,
+        run on this rank's reduced slice of every chunk before the other
+        ranks read it. guard(what): a context manager around each blocking
+        barrier, so that a watch sees the call move between them
+        (mpitrain.engine.watch). Every rank must call with the same size,
+        dtype and op.
         """
         combine = COMBINE[op]
         _check(buffer)
         if self.comm.size == 1:
-            yield from self._alone(buffer, fill, after, across, drain)
+            yield from self._alone(buffer, io, across)
             return
         rank, size = self.comm.rank, self.comm.size
         per_chunk = self.chunk_bytes // buffer.itemsize
@@ -135,8 +129,8 @@ class SharedMemoryAllreduce:
         # Own slice first: the ranks then copy different slices at once (7%
         # faster at 64 MiB on 2 ranks than all in one order).
         copy_order = [(rank + step) % size for step in range(size)]
-        write = fill or (lambda start, stop, destination:
-                         np.copyto(destination, buffer[start:stop]))
+        write = io.fill if io.fills else (lambda start, stop, destination:
+                                          np.copyto(destination, buffer[start:stop]))
         for start in range(0, buffer.size, per_chunk):
             stop = min(start + per_chunk, buffer.size)
             chunk = slots[self._next_parity]
@@ -146,12 +140,11 @@ class SharedMemoryAllreduce:
             for first, last in ((0, low), (high, stop - start)):
                 if first < last:
                     write(start + first, start + last, chunk[rank][first:last])
-            own = None if read is None or low == high else read(start + low,
-                                                                start + high)
+            own = None if low == high else io.read(start + low, start + high)
             if own is None:
                 mine = buffer[start + low:start + high]
-                if fill is not None and low < high:
-                    fill(start + low, start + high, mine)
+                if io.fills and low < high:
+                    io.fill(start + low, start + high, mine)
                 own = [(0, mine)]
             yield from self._barrier(guard)
             reduced = chunk[keeper][low:high]
@@ -166,26 +159,23 @@ class SharedMemoryAllreduce:
             for owner in copy_order:
                 low, high = bounds[owner]
                 result = chunk[(owner + 1) % size][low:high]
-                if drain is None:
+                if not io.drains:
                     buffer[start + low:start + high] = result
                 elif low < high:
-                    drain(start + low, start + high, result)
-            if after is not None and drain is None:
-                after(start, stop)
+                    io.drain(start + low, start + high, result)
+            if not io.drains:
+                io.reduced(start, stop)
 
-    def _alone(self, buffer, fill, after, across, drain):
+    def _alone(self, buffer, io, across):
         """The allreduce of a one-rank comm: the input is the result."""
         per_chunk = self.chunk_bytes // buffer.itemsize
         for start in range(0, buffer.size, per_chunk):
             stop = min(start + per_chunk, buffer.size)
-            if fill is not None:
-                fill(start, stop, buffer[start:stop])
+            if io.fills:
+                io.fill(start, stop, buffer[start:stop])
             if across is not None:
                 yield from across(buffer[start:stop])
-            if drain is not None:
-                drain(start, stop, buffer[start:stop])
-            elif after is not None:
-                after(start, stop)
+            io.arrived(buffer, start, stop)
 
     def _slot(self, rank, parity, dtype, count):
         offset = (2 * rank + parity) * self.slot_bytes

@@ -25,6 +25,7 @@ from mpitrain.errors import GpuError
 from mpitrain.ops import OpType, ReduceOp
 from mpitrain.transport import adasum, routes
 from mpitrain.transport.channel import as_bytes, even_split
+from mpitrain.transport.chunk_io import PLAIN, ChunkIO
 
 log = logging.getLogger("mpitrain")
 
@@ -269,7 +270,7 @@ class Executor:
             scaling.split(buffer, self.channel.size, reduced[group.total:])
         yield from self._traced(names, "MPI_ALLREDUCE",
                                 self._reduce(choice, reduced, first.op, backend,
-                                             counts=group.counts))
+                                             PLAIN, group.counts))
         if integer is not None:
             factor = 1.0
             if parts == 2:
@@ -312,8 +313,7 @@ class Executor:
         stream = Stream(group.starts, group.counts, [flat(s) for s in sources],
                         [flat(o) for o in outputs], prescale, factor, buffer.dtype)
         yield from self._traced(group.names, "MPI_ALLREDUCE", routes.host_allreduce(
-            choice.route, self.channel, buffer, group.responses[0].op, fill=stream.fill,
-            drain=stream.drain, read=stream.read))
+            choice.route, self.channel, buffer, group.responses[0].op, stream))
         for member in members:
             if member is not None:
                 self.finish(member, member.output)
@@ -328,15 +328,16 @@ class Executor:
         prescale = response.prescale
         if integer is not None:
             prescale, factor = 1.0, 1.0
-        fill = None
+        source = None
         if output is not entry.input or prescale != 1.0:
             if entry.input.flags.c_contiguous:
-                fill = _filler(entry.input, prescale, backend)
+                source = entry.input.reshape(-1)
             else:
                 backend.scale_into(entry.input, prescale, output)
-        yield from self._traced([response.name], "MPI_ALLREDUCE",
-                                self._reduce(choice, output.reshape(-1), response.op,
-                                             backend, factor, fill))
+        flat_output = output.reshape(-1)
+        yield from self._traced([response.name], "MPI_ALLREDUCE", self._reduce(
+            choice, flat_output, response.op, backend,
+            _Scaled(flat_output, backend, source, prescale, factor)))
         if integer is not None and integer != (1.0, 1):
             backend.scale_integers(output.reshape(-1), *integer)
         if entry.output is not None and output is not entry.output:
@@ -345,47 +346,33 @@ class Executor:
         backend.settle()
         self.finish(entry, output)
 
-    def _reduce(self, choice, buffer, op, backend, factor=1.0, fill=None, counts=None):
+    def _reduce(self, choice, buffer, op, backend, io, counts=None):
         """Allreduce a 1-D buffer in place across the set by choice's route,
-        then multiply it by factor.
-
-        fill(start, stop, destination), if given, writes the input's elements
-        start:stop into destination first (see Channel.allreduce). counts:
-        the elements of each tensor in the buffer (Adasum treats each alone;
-        None: the buffer is one tensor).
+        its input filled and its result handed on through io (a ChunkIO, not
+        one that drains). counts: the elements of each tensor in the buffer
+        (Adasum treats each alone; None: the buffer is one tensor).
         """
         route = choice.route
-        if route is routes.ADASUM:
-            yield from self._adasum(buffer, backend, factor, fill,
-                                    counts or [buffer.size])
-            return
-        scale = None if factor == 1.0 else (
-            lambda start, stop: backend.scale_into(buffer[start:stop], factor,
-                                                   buffer[start:stop]))
-        if route.buffers == routes.HOST:
+        if route.buffers == routes.HOST and route is not routes.ADASUM:
             # Fill each chunk right before it travels and scale it right
             # after, while it is in cache: a pass over cold memory costs more.
-            yield from routes.host_allreduce(route, self.channel, buffer, op, fill=fill,
-                                             after=scale)
+            yield from routes.host_allreduce(route, self.channel, buffer, op, io)
             return
-        if fill is not None:
-            fill(0, buffer.size, buffer)
-        if route.buffers == routes.DEVICE:
+        if io.fills:
+            io.fill(0, buffer.size, buffer)
+        if route is routes.ADASUM:
+            yield from self._adasum(buffer, backend, counts or [buffer.size])
+        elif route.buffers == routes.DEVICE:
             yield from self.devices.allreduce(choice, buffer, op, self.channel, backend)
-        if scale is not None:
-            scale(0, buffer.size)
+        io.reduced(0, buffer.size)
 
-    def _adasum(self, buffer, backend, factor, fill, counts):
+    def _adasum(self, buffer, backend, counts):
         """Adasum in host memory: a device buffer is copied there and back."""
-        if fill is not None:
-            fill(0, buffer.size, buffer)
         if self.channel.size > 1:
             in_host = buffer if backend is arrays.HOST else backend.to_numpy(buffer)
             yield from adasum.allreduce(self.channel, in_host, counts)
             if in_host is not buffer:
                 backend.from_numpy(in_host, buffer)
-        if factor != 1.0:
-            backend.scale_into(buffer, factor, buffer)
 
     # -- the other collectives, in host memory -----------------------------------
 
@@ -494,12 +481,25 @@ def _in_place_and_unscaled(response, factor, members):
             and all(member is None or member.output is member.input for member in members))
 
 
-def _filler(source, factor, backend):
-    """fill(start, stop, destination): the contiguous source's flat elements
-    start:stop, times factor, into destination."""
-    flat = source.reshape(-1)
-    return lambda start, stop, destination: backend.scale_into(
-        flat[start:stop], factor, destination)
+class _Scaled(ChunkIO):
+    """A buffer's input from a flat source times prescale (source None: the
+    buffer holds it), and its result times factor, in place."""
+
+    def __init__(self, buffer, backend, source, prescale, factor):
+        self.buffer = buffer
+        self.backend = backend
+        self.source = source
+        self.fills = source is not None
+        self.prescale = prescale
+        self.factor = factor
+
+    def fill(self, start, stop, destination):
+        self.backend.scale_into(self.source[start:stop], self.prescale, destination)
+
+    def reduced(self, start, stop):
+        if self.factor != 1.0:
+            piece = self.buffer[start:stop]
+            self.backend.scale_into(piece, self.factor, piece)
 
 
 def _contiguous(array):

@@ -10,10 +10,10 @@ only as scratch space.
 
 import bisect
 
-
 from mpitrain.backends import dtypes
 from mpitrain.backends.host import scale_into
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.chunk_io import ChunkIO
 
 
 def streams(response, wire):
@@ -24,14 +24,17 @@ def streams(response, wire):
             and not dtypes.exact(wire, response.op))
 
 
-class Stream:
-    """fill and drain of Channel.allreduce for tensors laid out at ``starts``.
+class Stream(ChunkIO):
+    """The chunks of tensors laid out at ``starts``, filled from their inputs
+    and drained into their outputs (a ChunkIO).
 
     sources: the flat inputs (None for a joined rank's share, which adds
     zeros), times prescale on the way in; outputs: the flat outputs (None
     where this rank has no tensor), times factor on the way out; wire: the
     numpy dtype reduced.
     """
+
+    fills = drains = True
 
     def __init__(self, starts, counts, sources, outputs, prescale, factor, wire):
         self.starts = starts
