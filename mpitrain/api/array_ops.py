@@ -144,7 +144,7 @@ def _rank_in_set(controller, root):
     position = bisect.bisect_left(ranks, root)
     if position < len(ranks) and ranks[position] == root:
         return position
-    job_size = controller.engine.topology.size
+    job_size = basics.size()
     if not 0 <= root < job_size:
         raise _Problem("value", f"root_rank {root} is out of range for a job of "
                                 f"{job_size} ranks")

@@ -8,6 +8,8 @@ travel to the coordinator (rank 0 of the set) and responses come back.
 """
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from mpi4py import MPI
 
@@ -57,18 +59,37 @@ class EngineStopped(Exception):
     """Raised inside a round when the job-wide engine must stop."""
 
 
+@dataclass(frozen=True)
+class EngineLinks:
+    """What every set's controller takes from the engine, given when it is
+    built: the state they share and the engine's decisions it may ask for."""
+
+    lock: object                   # the engine's Condition; user threads queue under it
+    timeline: object               # .current: the timeline in use, or None
+    watch: object                  # watches blocking calls (call), blames ranks (blame)
+    config: object                 # mpitrain.runtime.config.Config
+    host_route: object             # the job-wide set's host route
+    device_plan: object            # mpitrain.transport.selection.Plan, job-wide
+    node: object                   # this rank's node (mpitrain.runtime.topology)
+    job_rank: int
+    stop_requested: Callable       # () -> has this rank asked the job to stop?
+    agree_to_stop: Callable        # generator(channel) -> the reason every rank agrees on
+    request_stop: Callable         # (reason): ask the job to stop
+    change_process_sets: Callable  # (response) -> the result of adding or removing a set
+
+
 class SetController:
-    def __init__(self, engine, set_id, ranks, comm, blocking):
-        self.engine = engine
+    def __init__(self, links, set_id, ranks, comm, blocking):
+        self.links = links
         self.set_id = set_id
         self.ranks = ranks
         self.rank_names = RankNames(set_id, ranks)      # for errors, in job ranks
-        self.channel = Channel(comm, blocking, engine.config.chunk_size,
-                               engine.watch.call if blocking else None,
-                               engine.host_route if set_id == 0 else None)
+        self.channel = Channel(comm, blocking, links.config.chunk_size,
+                               links.watch.call if blocking else None,
+                               links.host_route if set_id == 0 else None)
         self.rank = comm.rank
         self.size = comm.size
-        config = engine.config
+        config = links.config
         self.cycle_time = config.cycle_time_ms / 1000.0
         self.fusion_threshold = config.fusion_threshold
         # fused host groups of this many bytes or more stream through shared
@@ -87,8 +108,8 @@ class SetController:
                       if config.autotune and blocking and self.rank == 0 else None)
         self.buffers = fusion.FusionBuffers()
         self.executor = Executor(
-            self.channel, self.buffers, self._finish, self._fail, engine.timeline,
-            DeviceTransport(engine.device_plan, engine.topology.node, set_id,
+            self.channel, self.buffers, self._finish, self._fail, links.timeline,
+            DeviceTransport(links.device_plan, links.node, set_id,
                             config.test_one_rank_pipeline), self.rank_names)
         self.in_flight = {}           # name -> Handle; user threads add under engine.lock
         self.claims = MemoryClaims()  # the arrays of in_flight, under engine.lock
@@ -115,7 +136,7 @@ class SetController:
 
     def has_work(self):
         return bool(self.incoming or self.pending
-                    or (self.channel.blocking and self.engine.stop_requested))
+                    or (self.channel.blocking and self.links.stop_requested()))
 
     def next_start(self):
         """When the next round should start, if none is running.
@@ -179,7 +200,7 @@ class SetController:
 
     def fail_all(self, error):
         while True:
-            with self.engine.lock:
+            with self.links.lock:
                 entries = list(self.pending.values()) + self.incoming
                 self.incoming = []
             self.pending.clear()
@@ -220,12 +241,12 @@ class SetController:
            early rank sleeps instead of spinning in a blocking MPI call.
            Autotune, where on, hears how many bytes the allreduces moved.
         """
-        engine = self.engine
+        links = self.links
         now = time.monotonic()
         self.last_round_start = now
         self.rounds += 1
-        timeline = engine.timeline.current
-        with engine.lock:
+        timeline = links.timeline.current
+        with links.lock:
             new, self.incoming = self.incoming, []
         if new:
             self.last_progress = now
@@ -248,7 +269,7 @@ class SetController:
             ready |= self._allreduce_slots()
         if uncached or (self.tuner and self.tuner.pending):
             status |= control_vector.UNCACHED
-        if self.channel.blocking and engine.stop_requested:
+        if self.channel.blocking and links.stop_requested():
             status |= control_vector.SHUTDOWN
         nbits = self.cache.nbits
         vector = control_vector.encode(status, ready, invalid, submitted, nbits)
@@ -257,7 +278,7 @@ class SetController:
         status, ready, invalid, submitted = control_vector.decode(vector, nbits)
 
         if status & control_vector.SHUTDOWN:
-            reason = yield from engine.agree_to_stop(self.channel)
+            reason = yield from links.agree_to_stop(self.channel)
             raise EngineStopped(reason)
         self.any_joined = bool(status & control_vector.JOINED)
         groups = self._cached_plan(ready & submitted)
@@ -272,7 +293,7 @@ class SetController:
                         self.cache.put(response, entry.signature)
             groups += fusion.plan(fresh, self.fusion_threshold, self.streams_from)
         if self.coordinator is not None and time.monotonic() >= self.stall_recheck:
-            self._check_stall(engine)
+            self._check_stall()
         self.progressed = bool(groups)
         if groups:
             self.last_progress = time.monotonic()
@@ -395,7 +416,7 @@ class SetController:
         gathered = yield from self.channel.gather_objects(requests)
         responses = None
         if self.coordinator is not None:
-            timeline = self.engine.timeline.current
+            timeline = self.links.timeline.current
             if timeline is not None:
                 for requests_of_rank in gathered:
                     for request in requests_of_rank:
@@ -411,7 +432,7 @@ class SetController:
     def _execute(self, groups, failed):
         """Run the round's groups in order; ``failed`` maps id(group) to why it
         fails on every rank without running."""
-        timeline = self.engine.timeline.current
+        timeline = self.links.timeline.current
         entries = self.pending
         if timeline is not None:
             timeline.end([name for group in groups for name in group.names
@@ -426,7 +447,7 @@ class SetController:
                         self._fail(entries[name], GpuError(failed[id(group)]))
             elif kind == OpType.ERROR:
                 if response.numbering_stopped:
-                    with self.engine.lock:   # before the caller hears of the error
+                    with self.links.lock:   # before the caller hears of the error
                         self.numbering.stop(naming.numbered_kind(response.name),
                                             response.error)
                 entry = entries.get(response.name)
@@ -440,7 +461,7 @@ class SetController:
                 self.joined = False
                 self._finish(entries[response.name], response.last_joined_rank)
             elif kind in (OpType.ADD_PROCESS_SET, OpType.REMOVE_PROCESS_SET):
-                result = self.engine.change_process_sets(response)
+                result = self.links.change_process_sets(response)
                 self._finish(entries[response.name], result)
             else:
                 yield from self.executor.run(group, entries)
@@ -449,7 +470,7 @@ class SetController:
                 published = time.monotonic()
         self._complete()
 
-    def _check_stall(self, engine):
+    def _check_stall(self):
         """Stop the job when a name has waited past the shutdown time, unless
         the ranks it waits for are busy moving data (in another process set's
         long transfer): those will come. One that only negotiates or idles will not."""
@@ -459,11 +480,11 @@ class SetController:
         if not report:
             return
         absent = [rank for rank in self.stall.missing_ranks(now, waiting, joined)
-                  if rank != engine.topology.rank]
-        if absent and not engine.watch.blame(absent, transfers_only=True):
+                  if rank != self.links.job_rank]
+        if absent and not self.links.watch.blame(absent, transfers_only=True):
             self.stall_recheck = time.monotonic() + STALL_RECHECK
             return
-        engine.request_stop(report)
+        self.links.request_stop(report)
 
     # -- completing entries ---------------------------------------------------
 
@@ -485,7 +506,7 @@ class SetController:
         if not done:
             return
         in_flight, claims = self.in_flight, self.claims
-        with self.engine.lock:
+        with self.links.lock:
             for entry in done:
                 if entry.claimed is not None:
                     claims.release(entry)
@@ -512,6 +533,6 @@ class SetController:
         calls: two interleave differently on each rank.
         """
         site = naming.call_site()
-        with self.engine.lock:
+        with self.links.lock:
             return self.numbering.take(kind, site)
 

@@ -14,7 +14,7 @@ import traceback
 from mpi4py import MPI
 
 from mpitrain.engine import submission
-from mpitrain.engine.controller import EngineStopped, SetController
+from mpitrain.engine.controller import EngineLinks, EngineStopped, SetController
 from mpitrain.engine.handles import notify_waiters
 from mpitrain.engine.timeline import Timeline
 from mpitrain.engine.watch import EngineAbandoned, Watch
@@ -58,13 +58,20 @@ class Engine:
         self._sleeping = False
         self._thread = threading.Thread(target=self._run, name="mpitrain-engine",
                                         daemon=True)
+        self._links = EngineLinks(
+            lock=self.lock, timeline=self.timeline, watch=self.watch, config=config,
+            host_route=host_route, device_plan=device_plan, node=topology.node,
+            job_rank=topology.rank, stop_requested=lambda: self.stop_requested,
+            agree_to_stop=self.agree_to_stop, request_stop=self.request_stop,
+            change_process_sets=self.change_process_sets)
 
     # -- set-up, from the thread that calls init() ----------------------------
 
     def add_set(self, set_id, ranks, comm):
         """Register a process set; comm is None where this rank is not a member."""
         controller = (None if comm is None else
-                      SetController(self, set_id, ranks, comm, blocking=(set_id == 0)))
+                      SetController(self._links, set_id, ranks, comm,
+                                    blocking=(set_id == 0)))
         with self.lock:
             self.set_ranks[set_id] = tuple(ranks)
             if controller is not None:
