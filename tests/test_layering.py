@@ -5,8 +5,9 @@ over engine/, over transport/, over backends/ and runtime/, with the shared
 vocabulary (errors, ops, horovod_names, version) under them all. An import
 that runs back up ties a lower layer to a higher one's choices; an adapter
 that reaches past api/ into the engine breaks whenever the engine's rooms
-move. These tests read the sources (no imports run), so they name the file
-and line that crosses.
+move. Inside torch/optimizers/ the modules are layered the same way, so that
+no import circle returns there. These tests read the sources (no imports
+run), so they name the file and line that crosses.
 """
 
 import ast
@@ -26,6 +27,13 @@ LEVELS = {"launcher": 5, "torch": 4, "tensorflow": 4, "__init__": 4, "api": 3,
 ADAPTERS = ("torch", "tensorflow")
 # What an adapter may import besides itself: its one door, arrays, the vocabulary.
 ADAPTER_DOOR = {"api", "backends"} | VOCABULARY
+# Inside torch/optimizers/, as PyTorch's DDP over its Reducer: the facade
+# (distributed.py) over the reducer and Adasum, over the parameter names and
+# buckets; its variant local_sgd.py over it. Higher imports only lower, so
+# the circle distributed <-> adasum cannot come back.
+OPTIMIZERS = os.path.join(PACKAGE, "torch", "optimizers")
+OPTIMIZER_LEVELS = {"__init__": 4, "local_sgd": 3, "distributed": 2, "reducer": 1,
+                    "adasum": 1, "parameter_names": 0, "buckets": 0, "sharded": 0}
 
 
 def _sources():
@@ -42,22 +50,26 @@ def _folder(relative):
     return parts[1] if len(parts) > 2 else os.path.splitext(parts[1])[0]
 
 
+def _imported_names(tree):
+    """(line, dotted name) for every import in ``tree``, inside functions too:
+    ``from a.b import c`` gives a.b.c, which is c's module where c is one."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                yield node.lineno, f"{node.module}.{alias.name}"
+
+
 def _imported_folders(tree):
     """(line, the mpitrain folder or module imported) for every import in ``tree``,
     with None for a bare ``import mpitrain``."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules = ([f"mpitrain.{alias.name}" for alias in node.names]
-                       if node.module == "mpitrain" else [node.module])
-        else:
-            continue
-        for module in modules:
-            if module == "mpitrain":
-                yield node.lineno, None
-            elif module.startswith("mpitrain."):
-                yield node.lineno, module.split(".")[1]
+    for line, name in _imported_names(tree):
+        if name == "mpitrain":
+            yield line, None
+        elif name.startswith("mpitrain."):
+            yield line, name.split(".")[1]
 
 
 def _crossings(allowed):
@@ -103,3 +115,22 @@ def test_the_adapters_never_hold_the_engine_itself(adapter):
                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and node.func.attr == "engine"]
     assert calls == []
+
+
+def test_the_torch_optimizers_import_only_downwards():
+    """Imports inside functions count: a deferred import back up is a circle too."""
+    found = []
+    for file in sorted(os.listdir(OPTIMIZERS)):
+        if not file.endswith(".py"):
+            continue
+        module = file[:-len(".py")]
+        with open(os.path.join(OPTIMIZERS, file)) as source:
+            tree = ast.parse(source.read(), file)
+        for line, name in _imported_names(tree):
+            parts = name.split(".")
+            if parts[:3] != ["mpitrain", "torch", "optimizers"]:
+                continue
+            target = parts[3] if len(parts) > 3 else "__init__"
+            if OPTIMIZER_LEVELS.get(target, 99) >= OPTIMIZER_LEVELS.get(module, -99):
+                found.append(f"torch/optimizers/{file}:{line} imports {target}")
+    assert found == []

@@ -18,7 +18,7 @@ from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import allreduce_async_
-from mpitrain.torch.optimizers.distributed import _parameter_names
+from mpitrain.torch.optimizers.parameter_names import parameter_names
 from mpitrain.torch.wrapping import rewrapped
 
 
@@ -27,7 +27,7 @@ class _AdasumOptimizer:
 
     def _start_adasum(self, named_parameters, compression, process_set):
         self._process_set = process_set
-        self._names = _parameter_names(self.param_groups, named_parameters)
+        self._names = parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
         problem = None

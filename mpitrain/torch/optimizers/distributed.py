@@ -1,49 +1,34 @@
 """DistributedOptimizer: gradients averaged across ranks while backward runs.
 
-Each parameter's gradient is submitted from a post-accumulate-grad hook as
-soon as autograd has produced it, so communication overlaps the rest of the
-backward pass; the reduction writes into ``p.grad`` in place. ``step()``
-waits for every submission, then steps the wrapped optimizer. From the
-second step on, small gradients live in flat buckets
-(mpitrain.torch.optimizers.buckets), each reduced as one tensor once its last
-gradient has arrived.
+The facade users call, as DistributedDataParallel is in PyTorch: it checks
+the arguments, builds the optimizer (an instance of the wrapped optimizer's
+class) and gives it the optimizer's interface. ``step()`` waits for every
+gradient's reduction, then steps the wrapped optimizer. The reduction
+itself, from the gradient hooks to the write-back into ``p.grad``, is the
+Reducer's (reducer.py).
 """
 
 import contextlib
-import os
 import warnings
-import weakref
-
-import torch
 
 from mpitrain.api import engine_sizes
-from mpitrain.api.handles import synchronize_all
-from mpitrain.api.objects import broadcast_object
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, Sum, resolve_op
-from mpitrain.torch.optimizers import buckets
 from mpitrain.torch.compression import Compression, choice
-from mpitrain.torch.ops import (allreduce_async_, grouped_allreduce_async_,
-                                sparse_allreduce_async)
+from mpitrain.torch.optimizers.adasum import adasum_optimizer
+from mpitrain.torch.optimizers.parameter_names import parameter_names
+from mpitrain.torch.optimizers.reducer import Reducer, gradient_of
 from mpitrain.torch.wrapping import rewrapped
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(Reducer):
     """Mixed in before the wrapped optimizer's class; see DistributedOptimizer."""
 
     def _start_distributing(self, named_parameters, compression,
                             backward_passes_per_step, op, gradient_predivide_factor,
                             groups, sparse_as_dense, process_set, overlap):
-        self._passes_per_step = backward_passes_per_step
-        self._op = op
-        if op == Average:
-            # The core divides by the set's size after the sum.
-            self._scale = (1.0 / gradient_predivide_factor, gradient_predivide_factor)
-        else:
-            self._scale = (1.0, 1.0)
-        self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
-        self._names = _parameter_names(self.param_groups, named_parameters)
+        self._names = parameter_names(self.param_groups, named_parameters)
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
         # Parameters whose compressor moves them itself travel alone.
@@ -57,140 +42,9 @@ class _DistributedOptimizer:
         # (unless a test asks for the whole pipeline on one rank).
         self._alone = (process_set.included() and process_set.size() == 1
                        and not engine_sizes.one_rank_moves_data())
-        self._overlap = not self._alone and (
-            _communication_can_overlap(self._trained) if overlap is None
-            else bool(overlap))
-        self._passes_left = {p: backward_passes_per_step for p in self._trained}
-        # A parameter in a group (a tuple) or a bucket travels with the others
-        # in it once their gradients have all arrived; the rest travel alone.
-        self._unit_of = _form_groups(
-            [p for p in self._trained if p not in self._compressor_of], groups,
-            self._names, process_set)
-        self._arrived = dict.fromkeys(set(self._unit_of.values()), 0)
-        self._buckets = None        # formed after the first synchronize
-        self._pending = {}          # parameter, group or bucket -> (handle, write back)
-        self._synchronized = False
         self._should_synchronize = True
-        self._sending = True        # False inside no_sync(): backward sends nothing
-        if process_set.included():
-            self._register_hooks()
-
-    def _register_hooks(self):
-        this = weakref.ref(self)
-
-        def on_gradient(p):
-            optimizer = this()
-            if optimizer is not None:
-                optimizer._gradient_ready(p)
-
-        handles = [p.register_post_accumulate_grad_hook(on_gradient)
-                   for p in self._trained]
-        # Hooks live on the parameters: remove them when this optimizer goes.
-        weakref.finalize(self, _remove_all, handles)
-
-    def _gradient_ready(self, p):
-        if not self._sending:
-            return                      # accumulated in p.grad by autograd, counted later
-        if self._passes_left[p] == 0:
-            raise AssertionError(
-                f"the gradient of '{self._names[p]}' was computed more than "
-                f"backward_passes_per_step={self._passes_per_step} times before "
-                "step(). Increase backward_passes_per_step to accumulate gradients "
-                "locally.")
-        self._passes_left[p] -= 1
-        unit = self._unit_of.get(p)
-        if isinstance(unit, buckets.Bucket):
-            unit.take(p)                # into its view while the gradient is in cache
-        if self._passes_left[p] > 0 or not self._overlap:
-            return                      # without overlap, step() submits them all
-        try:
-            if unit is None:
-                self._pending[p] = self._submit(p)
-                return
-            self._arrived[unit] += 1
-            if self._arrived[unit] == len(unit):
-                self._pending[unit] = self._submit_unit(unit)
-        except Exception:
-            # Backward ends here: without this, the gradients submitted before
-            # would stay counted as in flight and zero_grad() would refuse forever.
-            self._wait_for_pending()
-            self._start_over()
-            raise
-
-    # -- submissions -----------------------------------------------------------
-
-    def _submit_unit(self, unit):
-        if isinstance(unit, buckets.Bucket):
-            return self._submit_bucket(unit)
-        return self._submit_group(unit) if isinstance(unit, tuple) else self._submit(unit)
-
-    def _submit(self, p):
-        """Start reducing p.grad; returns (handle, write back of the result)."""
-        if p in self._compressor_of:
-            return self._submit_compressed(p)
-        if _gradient_of(p).is_sparse and not self._sparse_as_dense:
-            handle = sparse_allreduce_async(p.grad, self._names[p], self._op,
-                                            self._process_set)
-            return handle, lambda result: setattr(p, "grad", result)
-        tensor, ctx = self._wire_form(p)
-        handle = allreduce_async_(tensor, None, self._names[p], self._op, *self._scale,
-                                  self._process_set)
-        return handle, lambda result: self._write_back(p, result, ctx)
-
-    def _submit_compressed(self, p):
-        """p.grad through its compressor's own exchange (summed, then averaged here)."""
-        grad = _gradient_of(p)
-        exchange = self._compressor_of[p].start(grad.to_dense() if grad.is_sparse else grad,
-                                                self._names[p], self._process_set)
-        divisor = self._process_set.size() if self._op == Average else 1
-
-        def write_back(total):
-            self._write_back(p, total.div_(divisor) if divisor != 1 else total, None)
-
-        return exchange, write_back
-
-    def _submit_group(self, group):
-        for p in group:
-            if _gradient_of(p).is_sparse and not self._sparse_as_dense:
-                raise ValueError(
-                    f"'{self._names[p]}' has a sparse gradient, which a group cannot "
-                    "hold: pass sparse_as_dense=True, or leave the parameter out of "
-                    "groups")
-        tensors, contexts = zip(*[self._wire_form(p) for p in group])
-        handle = grouped_allreduce_async_(tensors, None, self._names[group[0]],
-                                          self._op, *self._scale, self._process_set)
-
-        def write_back(results):
-            for p, result, ctx in zip(group, results, contexts):
-                self._write_back(p, result, ctx)
-
-        return handle, write_back
-
-    def _submit_bucket(self, bucket):
-        """One in-place allreduce of the flat bucket (compressed once)."""
-        tensor, ctx = self._compression.compress(bucket.gather())
-        handle = allreduce_async_(tensor, None, bucket.name, self._op, *self._scale,
-                                  self._process_set)
-
-        def write_back(result):
-            result = self._compression.decompress(result, ctx)
-            if result is not bucket.flat:
-                bucket.flat.copy_(result)
-            bucket.point()
-
-        return handle, write_back
-
-    def _wire_form(self, p):
-        """p.grad as it travels in an allreduce (dense, compressed), and its context."""
-        grad = _gradient_of(p)
-        return self._compression.compress(grad.to_dense() if grad.is_sparse else grad)
-
-    def _write_back(self, p, result, ctx):
-        result = self._compression.decompress(result, ctx)
-        if p.grad.is_sparse:
-            p.grad = result.to_sparse()
-        elif result is not p.grad:
-            p.grad.copy_(result)
+        self._start_reducing(op, gradient_predivide_factor, sparse_as_dense,
+                             backward_passes_per_step, groups, overlap)
 
     # -- the optimizer's interface --------------------------------------------
 
@@ -205,7 +59,7 @@ class _DistributedOptimizer:
             return
         if self._alone:
             for p in self._trained:
-                _gradient_of(p)        # zeros where backward gave none, as with peers
+                gradient_of(p)         # zeros where backward gave none, as with peers
             self._start_over()
             self._synchronized = True
             return
@@ -216,29 +70,6 @@ class _DistributedOptimizer:
         if self._buckets is None:
             self._form_buckets()
         self._synchronized = True
-
-    def _form_buckets(self):
-        """Put the small dense gradients into buckets, the same on every rank.
-
-        After the first synchronize: its allreduces have checked the shapes
-        across ranks, and every p.grad is set, so sparse ones show. Sparse
-        gradients stay out even with sparse_as_dense, which gives them back
-        sparse. Rank 0's plan is followed.
-        """
-        candidates = [p for p in self._trained if p not in self._unit_of
-                      and p not in self._compressor_of
-                      and not p.grad.is_sparse and buckets.small(p)]
-        threshold = engine_sizes.fusion_threshold()
-        plan = broadcast_object(
-            buckets.plan(candidates, self._names, threshold or buckets.DEFAULT_CAP)
-            if self._process_set.rank() == 0 else None,
-            self._process_set.ranks[0], "DistributedOptimizer.buckets", self._process_set)
-        ungrouped = {self._names[p]: p for p in self._trained if p not in self._unit_of}
-        self._buckets = buckets.form(plan, ungrouped, self._process_set.rank())
-        for bucket in self._buckets:
-            bucket.gather()             # p.grad becomes its view, holding its value
-            self._unit_of.update(dict.fromkeys(bucket.params, bucket))
-            self._arrived[bucket] = 0
 
     def drop_step(self):
         """Throw this step's gradients away and start the next step clean.
@@ -258,34 +89,6 @@ class _DistributedOptimizer:
         super().zero_grad(set_to_none=True)
         if errors:
             raise errors[0]
-
-    def _submit_the_rest(self):
-        """Submit every gradient not yet in flight; returns the errors."""
-        errors = []
-        for p in self._trained:
-            unit = self._unit_of.get(p, p)
-            if unit not in self._pending:
-                try:
-                    self._pending[unit] = self._submit_unit(unit)
-                except Exception as error:  # submit the rest, so no peer waits for them
-                    errors.append(error)
-        return errors
-
-    def _wait_for_pending(self):
-        """Wait for every submitted reduction, write back its result; returns the errors."""
-        pending = list(self._pending.values())
-        results, errors = synchronize_all([handle for handle, _ in pending])
-        for (_, write_back), result in zip(pending, results):
-            if result is not None:
-                write_back(result)
-        return errors
-
-    def _start_over(self):
-        """Forget this step's gradients: none is counted as arrived or in flight."""
-        self._pending.clear()
-        self._passes_left = dict.fromkeys(self._trained, self._passes_per_step)
-        self._arrived = dict.fromkeys(self._arrived, 0)
-        self._synchronized = False
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -373,102 +176,6 @@ class _DistributedOptimizer:
 _DistributedOptimizer.step.hooked = True
 
 
-def _gradient_of(p):
-    if p.grad is None:
-        # Another rank may have a gradient for p: contribute zeros.
-        p.grad = torch.zeros_like(p)
-    return p.grad
-
-
-def _remove_all(handles):
-    for handle in handles:
-        handle.remove()
-
-
-def _parameter_names(param_groups, named_parameters):
-    """Map each parameter to the name its gradient travels under."""
-    if named_parameters is None:
-        return {p: f"allreduce.noname.{i}.{j}"
-                for i, group in enumerate(param_groups)
-                for j, p in enumerate(group["params"])}
-    named_parameters = list(named_parameters)
-    if not all(isinstance(item, tuple) and len(item) == 2 for item in named_parameters):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                         "tuples, usually model.named_parameters()")
-    seen, duplicates = set(), set()
-    for name, _ in named_parameters:
-        (duplicates if name in seen else seen).add(name)
-    if duplicates:
-        raise ValueError("parameter names in named_parameters must be unique; "
-                         f"found duplicates: {', '.join(sorted(duplicates))}")
-    names = {p: name for name, p in named_parameters}
-    unnamed = [f"group {i} parameter {j} (shape {tuple(p.shape)})"
-               for i, group in enumerate(param_groups)
-               for j, p in enumerate(group["params"]) if p not in names]
-    if unnamed:
-        raise ValueError("named_parameters was given but does not name every "
-                         f"parameter of the optimizer: missing {'; '.join(unnamed)}")
-    return names
-
-
-def _form_groups(trained, groups, names, process_set):
-    """Map each grouped parameter to its group (a tuple reduced in one call)."""
-    if groups is None:
-        return {}
-    if isinstance(groups, list):
-        grouped = set()
-        for group in groups:
-            for p in group:
-                if not isinstance(p, torch.Tensor):
-                    raise ValueError("groups must be a number or a list of lists of "
-                                     f"parameters, got a {type(p).__name__} inside")
-                if p in grouped:
-                    raise ValueError(f"'{names.get(p)}' appears in more than one group")
-                grouped.add(p)
-        trained_set = set(trained)
-        formed = [tuple(p for p in group if p in trained_set) for group in groups]
-    else:
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-            raise ValueError("groups must be a positive number of groups or a list "
-                             f"of lists of parameters, got {groups!r}")
-        # Every rank must form the same groups: follow rank 0's parameter order.
-        order = broadcast_object([names[p] for p in trained], process_set.ranks[0],
-                                 "DistributedOptimizer.parameter_order", process_set)
-        by_name = {names[p]: p for p in trained}
-        ordered = [by_name.pop(name) for name in order if name in by_name]
-        if by_name:
-            raise ValueError(
-                f"rank {process_set.ranks[process_set.rank()]} has parameters that rank "
-                f"{process_set.ranks[0]} lacks: "
-                f"{', '.join(sorted(by_name))}; every rank must build the same model")
-        size, extra = divmod(len(ordered), groups)
-        formed, start = [], 0
-        for index in range(groups):
-            end = start + size + (1 if index < extra else 0)
-            formed.append(tuple(ordered[start:end]))
-            start = end
-    return {p: group for group in formed if group for p in group}
-
-
-def _communication_can_overlap(parameters):
-    """Does reducing gradients during backward pay here?
-
-    Only when the engine's MPI work does not take the training thread's
-    core: with gradients on a GPU, or with more cores for this process than
-    torch computes with. Otherwise (one core per rank) the two slow each
-    other down, and reducing everything in step() is faster (measured with
-    benchmarks/train_step.py on 2 ranks with a core each: 128-135 ms against
-    141-147 ms per step).
-    """
-    if any(p.device.type != "cpu" for p in parameters):
-        return True
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:          # no affinity query on this system
-        cores = os.cpu_count() or 1
-    return cores > torch.get_num_threads()
-
-
 def DistributedOptimizer(optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0,
@@ -507,7 +214,6 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         raise ValueError("the optimizer is already a DistributedOptimizer")
     op = resolve_op(op, None)
     if op == Adasum:
-        from mpitrain.torch.optimizers.adasum import adasum_optimizer  # it imports this
         return adasum_optimizer(optimizer, named_parameters, compression,
                                 gradient_predivide_factor, process_set)
     if gradient_predivide_factor != 1.0 and op != Average:

@@ -22,7 +22,8 @@ from mpitrain.api.agreement import require_same
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, resolve_op
 from mpitrain.torch.ops import grouped_allreduce_async_
-from mpitrain.torch.optimizers.distributed import DistributedOptimizer, _DistributedOptimizer
+from mpitrain.torch.optimizers.distributed import (DistributedOptimizer,
+                                                   _DistributedOptimizer)
 from mpitrain.torch.wrapping import mixed_in
 
 AVERAGE_NAME = "LocalSGDOptimizer.average"
