@@ -9,7 +9,7 @@ input; an input must not be modified while its operation is in flight.
 from mpitrain.api import basics
 from mpitrain.api.argument_checks import Problem, checked_name, prepare
 from mpitrain.api.process_sets import global_process_set
-from mpitrain.engine import naming
+from mpitrain.engine import naming, submission
 from mpitrain.engine.handles import GroupHandle, Handle, synchronize
 from mpitrain.errors import ERROR_CLASSES
 from mpitrain.ops import Average, OpType, Sum
@@ -38,7 +38,7 @@ def automatic_name(kind, process_set=global_process_set):
     For adapters that must know it before they submit: the backward pass of
     an autograd op derives its name from its forward's.
     """
-    return _controller(basics.engine(), process_set).automatic_name(kind)
+    return submission.automatic_name(_controller(basics.engine(), process_set), kind)
 
 
 def _submit(engine, controller, prepared):
@@ -77,7 +77,7 @@ def _one(kind, array, name, process_set, op=Sum, prescale=1.0, postscale=1.0, ro
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name = controller.automatic_name(kind)
+        name = submission.automatic_name(controller, kind)
     name, site, bad_name = checked_name(name)
     handle, problem = prepare(controller, kind, array, name, op, prescale, postscale,
                                root, output, splits, average, site)
@@ -96,7 +96,7 @@ def _group(kind, arrays, name, process_set, outputs=None, op=Sum, prescale=1.0,
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name = controller.automatic_name(kind)
+        name = submission.automatic_name(controller, kind)
     name, site, bad_name = checked_name(name)
     arrays = list(arrays)
     outputs = [None] * len(arrays) if outputs is None else list(outputs)
@@ -227,7 +227,7 @@ def fail(kind, name, process_set, error_kind, problem, count=None):
     engine = basics.engine()
     controller = _controller(engine, process_set)
     if name is None:
-        name = controller.automatic_name(kind)
+        name = submission.automatic_name(controller, kind)
     name, site = naming.split(name) if type(name) is naming.AutoName else (str(name), "")
     names = [name] if count is None else group_names(name, count)
     _submit(engine, controller,
@@ -253,5 +253,5 @@ def change_process_sets(engine, kind, shape, problem=None):
     """Add or remove a process set on every rank; a problem fails all ranks."""
     controller = _controller(engine, global_process_set)
     return synchronize(_control(
-        kind, controller.automatic_name(kind), global_process_set, shape,
+        kind, submission.automatic_name(controller, kind), global_process_set, shape,
         None if problem is None else Problem("value", problem)))

@@ -521,18 +521,3 @@ class SetController:
             pending.pop(entry.name, None)
             entry.publish()
         notify_waiters()
-
-    # -- called by user threads ----------------------------------------------
-
-    def automatic_name(self, kind):
-        """The name of an unnamed call (a naming.AutoName): names count per kind.
-
-        Ranks must make the same unnamed calls in the same order. The call
-        site travels with the request, so that a rank that made one call more
-        fails at the first wrong pairing. Only one thread may make unnamed
-        calls: two interleave differently on each rank.
-        """
-        site = naming.call_site()
-        with self.links.lock:
-            return self.numbering.take(kind, site)
-

@@ -5,8 +5,24 @@ user and framework threads. A handle is claimed (its arrays may not be in use
 by another operation in flight), then recorded under its name in the set's
 in-flight table and queued for the next round. A name still in flight may be
 submitted again only behind a handle that failed locally: that one travels
-only to fail the name on the other ranks, and the new one follows it.
+only to fail the name on the other ranks, and the new one follows it. An
+unnamed call gets its name here too, numbered per kind in program order.
 """
+
+from mpitrain.engine import naming
+
+
+def automatic_name(controller, kind):
+    """The name of an unnamed call (a naming.AutoName): names count per kind.
+
+    Ranks must make the same unnamed calls in the same order. The call site
+    travels with the request, so that a rank that made one call more fails
+    at the first wrong pairing. Only one thread may make unnamed calls: two
+    interleave differently on each rank.
+    """
+    site = naming.call_site()
+    with controller.links.lock:
+        return controller.numbering.take(kind, site)
 
 
 def accept(controller, entry):
