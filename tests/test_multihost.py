@@ -1,6 +1,6 @@
 """mpitrain jobs across hosts: network namespaces on this machine, so that
 Open MPI starts a daemon per host and the ranks talk TCP between hosts
-(tests/hosts.py). Topology, every collective, the examples' accuracy, a rank
+(devtools/hosts.py). Topology, every collective, the examples' accuracy, a rank
 dying on one host, mpitrainrun's -H, --hostfile and --network-interface, and
 host allreduces and allgathers with and without their hierarchical forms."""
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from tests.hosts import namespace_hosts
-from tests.mpi_harness import ROOT, job_environment, kill_session
+from devtools.hosts import HostsUnavailable, namespace_hosts, run_on_hosts
+from tests.mpi_harness import ROOT
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
@@ -27,26 +27,22 @@ def hosts():
     if not re.search(r"Open MPI\) ([5-9]|\d\d)\.", version):
         pytest.skip(f"the hosts are started through Open MPI 5's launcher; {MPIRUN} "
                     f"says {version.strip()[:80]!r}")
-    with namespace_hosts(3) as made:
-        yield made
+    try:
+        with namespace_hosts(3) as made:
+            yield made
+    except HostsUnavailable as reason:
+        pytest.skip(str(reason))
 
 
 def run(command, hosts, timeout, env=()):
     """Run a job with ``env`` added to mpirun's environment; a job still
     running after ``timeout`` seconds fails the test."""
-    process = subprocess.Popen(command, cwd=ROOT,
-                               env=job_environment({**hosts.environment(), **dict(env)}),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(process.pid)
-        hosts.kill_processes()
-        out, err = process.communicate()
+    job = run_on_hosts(command, hosts, timeout, env)
+    if job.returncode is None:
         pytest.fail(f"still running after {timeout} s: {' '.join(command)}\n"
-                    f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+                    f"--- stdout ---\n{job.stdout[-3000:]}\n--- stderr ---\n"
+                    f"{job.stderr[-3000:]}")
+    return job
 
 
 def run_script(hosts, layout, script, *args, timeout=60, env=()):

@@ -1,4 +1,4 @@
-"""Several "hosts" on this one machine, for multi-host MPI jobs in tests.
+"""Several "hosts" on this one machine, for multi-host MPI jobs in tests and benchmarks.
 
 Each host is a Linux network namespace with an IPv4 address of its own, tied
 by a veth pair to a bridge in the root namespace; the bridge has an address
@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import time
 
-import pytest
+from devtools.mpi_jobs import ROOT, job_environment, kill_session
 
 PREFIX = "mth"
 SUBNETS = list(ipaddress.ip_network("10.231.0.0/16").subnets(new_prefix=24))
@@ -101,13 +101,35 @@ class Hosts:
             _kill_everything_in(namespace)
 
 
+class HostsUnavailable(RuntimeError):
+    """This machine cannot make network namespace hosts (not root, no ip, ...)."""
+
+
+def run_on_hosts(command, hosts, timeout, env=()):
+    """Run a job with ``env`` added to mpirun's environment; a job still
+    running after ``timeout`` seconds is killed, with every process on the
+    hosts, and comes back with returncode None."""
+    process = subprocess.Popen(command, cwd=ROOT,
+                               env=job_environment({**hosts.environment(), **dict(env)}),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(command, process.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        kill_session(process.pid)
+        hosts.kill_processes()
+        out, err = process.communicate()
+        return subprocess.CompletedProcess(command, None, out, err)
+
+
 @contextlib.contextmanager
 def namespace_hosts(count):
     """Make ``count`` hosts, yield Hosts, and remove them again, whatever
-    happens in between. Skips the test where namespaces cannot be made."""
+    happens in between. HostsUnavailable where namespaces cannot be made."""
     reason = _unavailable()
     if reason:
-        pytest.skip(reason)
+        raise HostsUnavailable(reason)
     tag = f"{PREFIX}{os.getpid()}"
     with open(LOCK, "w") as lock:
         # One set-up at a time: each takes a subnet no other one uses.
@@ -118,8 +140,9 @@ def namespace_hosts(count):
             _make(hosts)
         except subprocess.CalledProcessError as error:
             _remove(tag)
-            pytest.skip(f"cannot make network namespace hosts here: "
-                        f"`{' '.join(error.cmd)}` said {error.stderr.strip()!r}")
+            raise HostsUnavailable(f"cannot make network namespace hosts here: "
+                                   f"`{' '.join(error.cmd)}` said "
+                                   f"{error.stderr.strip()!r}") from None
         except BaseException:
             _remove(tag)
             raise
