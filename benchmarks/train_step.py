@@ -1,11 +1,16 @@
-"""One training step of an MLP (18.9M parameters by default): mpitrain against PyTorch DDP.
+"""One training step of a model: mpitrain against PyTorch DDP and no communication.
 
 Run on 2 ranks:  mpitrainrun -np 2 python benchmarks/train_step.py
-                 [--steps 20] [--width 2048] [--depth 5] [--json PATH]
+                 [--model mlp|resnet50|bert|gpt2] [--steps 20] [--batch N]
+                 [--width 2048] [--depth 5] [--json PATH]
 
-The model is 1024 -> depth x width -> 10 (ReLU; 1024 -> 5 x 2048 -> 10 by
-default), trained with SGD and momentum on a synthetic batch of 64 per rank,
-one thread per rank. Five modes share the same processes and run in turn,
+--model mlp (the default) is 1024 -> depth x width -> 10 (ReLU; 18.9M
+parameters, 1024 -> 5 x 2048 -> 10 by default) on a synthetic batch of 64 per
+rank; resnet50, bert and gpt2 are the architectures of benchmarks/models.py
+(their real parameter shapes: 161, 201 and 148 gradients) on small synthetic
+CPU batches (--batch per rank: 64x64 images, or sequences of 32 tokens).
+Every model trains with SGD and momentum, one thread per rank. Five modes
+share the same processes and run in turn,
 step after step:
   none:      the plain optimizer, no communication (the floor);
   ddp:       torch DistributedDataParallel over gloo;
@@ -41,8 +46,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mpitrain as mt
 import mpitrain.torch as hvd
+from models import build
 
-BATCH, INPUTS, CLASSES = 64, 1024, 10
+INPUTS, CLASSES = 1024, 10          # the MLP's
+IMAGE, TOKENS = 64, 32              # the side of resnet50's images, the sequences' length
+DEFAULT_BATCH = {"mlp": 64, "resnet50": 1, "bert": 1, "gpt2": 1}
+VOCABULARY = {"bert": 30522, "gpt2": 50257}
 NONE, DDP, MPITRAIN, BF16 = "none", "ddp", "mpitrain", "mpitrain, bf16 on the wire"
 ALONE = "allreduce alone"
 # (mode, baseline) pairs whose step-wise ratios are reported.
@@ -73,10 +82,24 @@ def start_gloo(world):
                             world_size=world.size)
 
 
-def batch(step, rank):
+def batch(model, size, step, rank):
+    """(inputs, labels) of one synthetic batch, different per step and rank."""
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    return (torch.randn(BATCH, INPUTS, generator=generator),
-            torch.randint(CLASSES, (BATCH,), generator=generator))
+    if model == "mlp":
+        return (torch.randn(size, INPUTS, generator=generator),
+                torch.randint(CLASSES, (size,), generator=generator))
+    if model == "resnet50":
+        return (torch.randn(size, 3, IMAGE, IMAGE, generator=generator),
+                torch.randint(1000, (size,), generator=generator))
+    ids = torch.randint(VOCABULARY[model], (size, TOKENS), generator=generator)
+    if model == "bert":
+        return ids, torch.randint(2, (size,), generator=generator)
+    return ids, torch.roll(ids, -1, dims=1)          # gpt2: the next token
+
+
+def loss_of(outputs, labels):
+    """Cross-entropy; a language model's over every position."""
+    return torch.nn.functional.cross_entropy(outputs.flatten(0, -2), labels.flatten())
 
 
 def sgd(model):
@@ -117,7 +140,7 @@ def make_modes(base):
 
 def train_step(forward, optimizer, inputs, labels):
     optimizer.zero_grad()
-    loss = torch.nn.functional.cross_entropy(forward(inputs), labels)
+    loss = loss_of(forward(inputs), labels)
     loss.backward()
     optimizer.step()
 
@@ -142,20 +165,20 @@ def slowest(world, fn, *args):
     return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
-def time_steps(world, models, forward, optimizers, steps, warmup):
+def time_steps(world, models, forward, optimizers, args):
     """Milliseconds of every timed step per mode (and of the allreduce alone);
     index k of every list is step k. The modes' order rotates every step."""
     modes = list(forward)
     times = {name: [] for name in modes + [ALONE]}
     communicate = None
-    for step in range(warmup + steps):
-        inputs, labels = batch(step, world.rank)
+    for step in range(args.warmup + args.steps):
+        inputs, labels = batch(args.model, args.batch, step, world.rank)
         order = modes[step % len(modes):] + modes[:step % len(modes)]
         elapsed = {name: slowest(world, train_step, forward[name], optimizers[name],
                                  inputs, labels) for name in order}
         communicate = communicate or allreduce_alone(models[NONE])
         elapsed[ALONE] = slowest(world, communicate)
-        if step >= warmup:
+        if step >= args.warmup:
             for name, seconds in elapsed.items():
                 times[name].append(seconds * 1e3)
     return times
@@ -181,9 +204,11 @@ def max_difference(a, b):
 
 def print_report(result, world_size, load_before):
     modes, ratios = result["milliseconds"], result["ratios"]
-    print(f"train step of a {result['parameters'] / 1e6:.1f}M-parameter MLP "
-          f"({INPUTS} -> {result['depth']} x {result['width']} -> {CLASSES}), batch "
-          f"{BATCH} per rank, {world_size} ranks, 1 thread each; {result['steps']} "
+    shape = (f"MLP ({INPUTS} -> {result['depth']} x {result['width']} -> {CLASSES})"
+             if result["model"] == "mlp" else result["model"])
+    print(f"train step of a {result['parameters'] / 1e6:.1f}M-parameter {shape} "
+          f"({result['gradients']} gradients), batch {result['batch']} per rank, "
+          f"{world_size} ranks, 1 thread each; {result['steps']} "
           "alternated steps (slowest rank), ms: median (min-max)")
     for name in modes:
         if name == ALONE:
@@ -211,26 +236,32 @@ def print_report(result, world_size, load_before):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("mlp", "resnet50", "bert", "gpt2"),
+                        default="mlp")
+    parser.add_argument("--batch", type=int, help="per rank (default: by model)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--width", type=int, default=2048, help="units per hidden layer")
     parser.add_argument("--depth", type=int, default=5, help="hidden layers")
     parser.add_argument("--json", help="file for the medians, ranges and parameter count")
     args = parser.parse_args()
+    args.batch = args.batch or DEFAULT_BATCH[args.model]
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     hvd.init()
     world = MPI.COMM_WORLD.Dup()
     start_gloo(world)
     torch.manual_seed(0)
-    base = build_model(args.width, args.depth)
+    base = build_model(args.width, args.depth) if args.model == "mlp" else build(args.model)
     models, forward, optimizers = make_modes(base)
-    times = time_steps(world, models, forward, optimizers, args.steps, args.warmup)
+    times = time_steps(world, models, forward, optimizers, args)
     differences = {name: world.allreduce(max_difference(models[DDP], models[name]),
                                          op=MPI.MAX) for name in (MPITRAIN, BF16)}
     result = {
-        "ranks": world.size, "width": args.width, "depth": args.depth, "batch": BATCH,
+        "ranks": world.size, "model": args.model, "width": args.width,
+        "depth": args.depth, "batch": args.batch,
         "parameters": sum(p.numel() for p in base.parameters()),
+        "gradients": len(list(base.parameters())),
         "steps": args.steps, "warmup": args.warmup,
         "overlap": optimizers[MPITRAIN]._overlap,
         "milliseconds": {name: summary(values) for name, values in times.items()},
