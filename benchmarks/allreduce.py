@@ -305,7 +305,11 @@ def report(world, target_lines, sweep_rows, footer, out):
 
 
 def plot(sweep_rows, size, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:       # not among mpitrain's dependencies
+        print(f"no {path}: matplotlib is not installed (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     sizes = [nbytes for nbytes, _ in sweep_rows]

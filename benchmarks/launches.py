@@ -86,6 +86,7 @@ def main():
         command = (f".venv/bin/python benchmarks/launches.py --launches {args.launches} "
                    f"--ranks {args.ranks} --repetitions {args.repetitions} --sets "
                    + " ".join(args.sets) + f" --out {args.out}")
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "allreduce_launches.md"), "w") as stream:
             stream.write(f"# Allreduce over several launches\n\nProduced by `{command}`."
                          f"\n\n{text}\n")

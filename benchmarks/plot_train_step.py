@@ -81,7 +81,11 @@ def table(results, command):
 
 
 def plot(results, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:       # not among mpitrain's dependencies
+        print(f"no {path}: matplotlib is not installed (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker

@@ -14,6 +14,8 @@ next step; so as many buffers of a size are kept as a step holds at once,
 and the search for an idle one starts where the last one was found, since
 a step drops its results together. Small buffers come from malloc's heap,
 which reuses them without page faults: only MIN_BYTES and more are kept.
+When the sizes change (another model, evaluation), the idle buffers of the
+sizes least recently asked for make room for the new ones.
 """
 
 import math
@@ -34,14 +36,17 @@ class RecycledBuffers:
         self.per_size = per_size
         self.most_bytes = most_bytes
         self.kept_bytes = 0
-        self._kept = {}              # byte count -> owners of the memory
+        # byte count -> owners of the memory; in the order the sizes were last
+        # asked for, the least recent first
+        self._kept = {}
         self._next = {}              # byte count -> where the search for an idle one starts
 
     def take(self, nbytes):
         """A buffer of ``nbytes`` bytes starting on a 64-byte boundary."""
         if nbytes < MIN_BYTES:
             return empty((nbytes,), np.uint8)
-        kept = self._kept.setdefault(nbytes, [])
+        kept = self._kept.pop(nbytes, [])
+        self._kept[nbytes] = kept                # now the most recent size
         count = len(kept)
         start = self._next.get(nbytes, 0)
         for step in range(count):
@@ -50,10 +55,24 @@ class RecycledBuffers:
                 self._next[nbytes] = at + 1
                 return aligned_bytes(kept[at], nbytes)
         owner = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-        if count < self.per_size and self.kept_bytes + nbytes <= self.most_bytes:
+        if count < self.per_size and self._room_for(nbytes):
             kept.append(owner)
             self.kept_bytes += nbytes
         return aligned_bytes(owner, nbytes)
+
+    def _room_for(self, nbytes):
+        """Whether a buffer of nbytes more fits, after letting go of idle
+        buffers of the sizes least recently asked for."""
+        for size in list(self._kept):
+            if self.kept_bytes + nbytes <= self.most_bytes or size == nbytes:
+                break
+            kept = self._kept[size]
+            for at in range(len(kept) - 1, -1, -1):
+                if sys.getrefcount(kept[at]) == _IDLE:
+                    del kept[at]
+                    self.kept_bytes -= size
+            self._next[size] = 0
+        return self.kept_bytes + nbytes <= self.most_bytes
 
     def empty(self, shape, dtype):
         """An uninitialized C-contiguous array, like mpitrain.backends.host.empty."""
