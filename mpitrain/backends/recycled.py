@@ -63,16 +63,19 @@ class RecycledBuffers:
     def _room_for(self, nbytes):
         """Whether a buffer of nbytes more fits, after letting go of idle
         buffers of the sizes least recently asked for."""
+        if self.kept_bytes + nbytes <= self.most_bytes:
+            return True
         for size in list(self._kept):
-            if self.kept_bytes + nbytes <= self.most_bytes or size == nbytes:
+            if size == nbytes:           # the most recent: every older size was tried
                 break
             kept = self._kept[size]
             for at in range(len(kept) - 1, -1, -1):
                 if sys.getrefcount(kept[at]) == _IDLE:
                     del kept[at]
                     self.kept_bytes -= size
-            self._next[size] = 0
-        return self.kept_bytes + nbytes <= self.most_bytes
+            if self.kept_bytes + nbytes <= self.most_bytes:
+                return True
+        return False
 
     def empty(self, shape, dtype):
         """An uninitialized C-contiguous array, like mpitrain.backends.host.empty."""
