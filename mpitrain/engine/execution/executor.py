@@ -399,7 +399,7 @@ class Executor:
     def _allgather(self, response, entry):
         row = math.prod(response.shape) * entry.dtype.numpy.itemsize
         output = host.empty((sum(response.first_dims),) + response.shape,
-                              entry.dtype.numpy)
+                            entry.dtype.numpy)
         send = np.ascontiguousarray(entry.input)
         yield from self.channel.allgatherv(
             as_bytes(send), as_bytes(output), [d * row for d in response.first_dims])
@@ -446,7 +446,7 @@ class Executor:
         counts = [n * row for n in rows]
         send = self.buffers.get(wire, sum(counts), arrays.HOST)[:sum(counts)]
         host.scale_into(entry.input, response.prescale if integer is None else 1.0,
-                          send.reshape(response.shape))
+                        send.reshape(response.shape))
         received = np.empty(counts[self.channel.rank], dtype=wire)
         size = self.channel.size
         split = scaling.splits(dtype, response.op, integer, size)
@@ -457,7 +457,7 @@ class Executor:
                                                    response.op)
         yield from self.channel.reduce_scatter(send, received, counts, response.op)
         output = host.empty((rows[self.channel.rank],) + response.shape[1:],
-                              dtype.numpy)
+                            dtype.numpy)
         factor = self._scale_after(response)
         if split:
             scaling.combine(received, remainders_received, size, integer[0])
