@@ -34,8 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from devtools.hosts import namespace_hosts  # noqa: E402
-from devtools.mpi_jobs import job_environment, kill_session  # noqa: E402
+from devtools.hosts import namespace_hosts, run_on_hosts  # noqa: E402
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 JOB = os.path.join(ROOT, "benchmarks", "hierarchical_allreduce_job.py")
@@ -114,19 +113,13 @@ def run_job(hosts, route, args):
     forwarded = [flag for name in ["OMP_NUM_THREADS", *env] for flag in ("-x", name)]
     command = [MPIRUN, "-np", "4", "-H", hosts.spec(2, 2), *forwarded, sys.executable,
                JOB, *map(str, args.sizes_mib), "--repetitions", str(args.repetitions)]
-    process = subprocess.Popen(command, cwd=ROOT,
-                               env=job_environment({**hosts.environment(), **env}),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=args.job_timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(process.pid)
-        hosts.kill_processes()
+    job = run_on_hosts(command, hosts, args.job_timeout, env)
+    if job.returncode is None:
         raise SystemExit(f"{route}: still running after {args.job_timeout} s")
+    out, err = job.stdout, job.stderr
     found = re.search(r"^RESULT (\{.*\})$", out, flags=re.M)
-    if process.returncode or not found:
-        raise SystemExit(f"{route}: exit code {process.returncode}\n{out[-2000:]}\n{err[-3000:]}")
+    if job.returncode or not found:
+        raise SystemExit(f"{route}: exit code {job.returncode}\n{out[-2000:]}\n{err[-3000:]}")
     result = json.loads(found.group(1))
     if not all(said.startswith(EXPECTED[route]) for said in result["routes"]):
         raise SystemExit(f"{route}: the ranks took {result['routes']}")

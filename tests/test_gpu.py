@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import mpitrain as mt
+from mpitrain.api import engine_sizes
 from mpitrain.backends import arrays
 from tests.gpu_report import expect, expect_route, watch_routes
 from tests.mpi_harness import mpi_test
@@ -374,7 +375,7 @@ def test_torch_cuda_step_on_one_rank_is_the_plain_step():
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     # MPITRAIN_TEST_ONE_RANK_PIPELINE=1 sends even a lone rank's gradients
     # through the pipeline: fp16 on the wire, an average of one.
-    moved = mt.api.basics.engine().config.test_one_rank_pipeline
+    moved = engine_sizes.one_rank_moves_data()
     x = torch.randn(16, 50, device=device)
     for net, opt in ((model, optimizer), (plain, plain_optimizer)):
         opt.zero_grad()
