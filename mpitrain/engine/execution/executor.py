@@ -311,7 +311,8 @@ class Executor:
         memory and its results straight into the outputs
         (mpitrain.engine.execution.streaming)."""
         stream = Stream(group.starts, group.counts, [flat(s) for s in sources],
-                        [flat(o) for o in outputs], prescale, factor, buffer.dtype)
+                        [flat(o) for o in outputs], prescale, factor, buffer.dtype,
+                        buffer)
         yield from self._traced(group.names, "MPI_ALLREDUCE", routes.host_allreduce(
             choice.route, self.channel, buffer, group.responses[0].op, stream))
         for member in members:

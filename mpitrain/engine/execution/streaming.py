@@ -10,10 +10,16 @@ only as scratch space.
 
 import bisect
 
+import numpy as np
+
 from mpitrain.backends import dtypes
 from mpitrain.backends.host import scale_into
 from mpitrain.ops import ReduceOp
 from mpitrain.transport.chunk_io import ChunkIO
+
+# Inputs of fewer elements are packed before they are combined: one ufunc
+# call each would cost more than the copy.
+READ_MIN_ELEMENTS = 16384
 
 
 def streams(response, wire):
@@ -31,12 +37,14 @@ class Stream(ChunkIO):
     sources: the flat inputs (None for a joined rank's share, which adds
     zeros), times prescale on the way in; outputs: the flat outputs (None
     where this rank has no tensor), times factor on the way out; wire: the
-    numpy dtype reduced.
+    numpy dtype reduced; scratch: a 1-D buffer of the group's size, of the
+    wire dtype, free for read() to pack small inputs into.
     """
 
     fills = drains = True
 
-    def __init__(self, starts, counts, sources, outputs, prescale, factor, wire):
+    def __init__(self, starts, counts, sources, outputs, prescale, factor, wire,
+                 scratch):
         self.starts = starts
         self.ends = [start + count for start, count in zip(starts, counts)]
         self.sources = sources
@@ -44,18 +52,40 @@ class Stream(ChunkIO):
         self.prescale = prescale
         self.factor = factor
         self.wire = wire
+        self.scratch = scratch
+        # Unscaled inputs of the wire dtype, none missing: a chunk's inputs
+        # are then packed in one call, and may be read where they lie.
+        self.packs = prescale == 1.0 and all(
+            source is not None and source.dtype == wire for source in sources)
 
     def _pieces(self, start, stop):
         """(tensor, its first element, how many) of the buffer's elements start:stop."""
-        tensor = bisect.bisect_right(self.starts, start) - 1
-        while tensor < len(self.starts) and self.starts[tensor] < stop:
-            low = max(start, self.starts[tensor])
-            high = min(stop, self.ends[tensor])
+        starts, ends = self.starts, self.ends
+        for tensor in range(bisect.bisect_right(starts, start) - 1,
+                            bisect.bisect_left(starts, stop)):
+            low = start if start > starts[tensor] else starts[tensor]
+            high = stop if stop < ends[tensor] else ends[tensor]
             if low < high:
-                yield tensor, low - self.starts[tensor], high - low
-            tensor += 1
+                yield tensor, low - starts[tensor], high - low
+
+    def _span(self, start, stop):
+        """The first and the last tensor holding elements of start:stop."""
+        return (bisect.bisect_right(self.starts, start) - 1,
+                bisect.bisect_left(self.starts, stop) - 1)
+
+    def _inputs(self, start, stop):
+        """The inputs of elements start:stop, cut to fit, in order (only where
+        ``packs``)."""
+        first, last = self._span(start, stop)
+        parts = self.sources[first:last + 1]
+        parts[-1] = parts[-1][:stop - self.starts[last]]
+        parts[0] = parts[0][start - self.starts[first]:]
+        return parts
 
     def fill(self, start, stop, destination):
+        if self.packs:
+            np.concatenate(self._inputs(start, stop), out=destination)
+            return
         at = 0
         for tensor, first, count in self._pieces(start, stop):
             into = destination[at:at + count]
@@ -69,25 +99,42 @@ class Stream(ChunkIO):
     def read(self, start, stop):
         """The inputs of elements start:stop where they lie, as (offset from
         start, array) pieces; None where one must first be scaled or
-        converted, or is a joined rank's zeros."""
-        if self.prescale != 1.0:
+        converted, or is a joined rank's zeros. Small inputs side by side
+        are packed into the scratch buffer and read from there as one
+        piece: combining each alone would cost a ufunc call apiece."""
+        if not self.packs:
             return None
-        pieces, at = [], 0
+        pieces, small, at = [], [], 0
         for tensor, first, count in self._pieces(start, stop):
-            source = self.sources[tensor]
-            if source is None or source.dtype != self.wire:
-                return None
-            pieces.append((at, source[first:first + count]))
+            piece = self.sources[tensor][first:first + count]
+            if count < READ_MIN_ELEMENTS:
+                small.append(piece)
+            else:
+                self._pack(small, start, at, pieces)
+                pieces.append((at, piece))
             at += count
+        self._pack(small, start, at, pieces)
         return pieces
 
+    def _pack(self, small, start, end, pieces):
+        """Add the small inputs that end at ``end`` (from start) to pieces:
+        one as it is, several packed into the scratch buffer; empties small."""
+        if len(small) == 1:
+            pieces.append((end - small[0].size, small[0]))
+        elif small:
+            count = sum(piece.size for piece in small)
+            packed = self.scratch[start + end - count:start + end]
+            np.concatenate(small, out=packed)
+            pieces.append((end - count, packed))
+        small.clear()
+
     def drain(self, start, stop, source):
+        outputs, factor = self.outputs, self.factor
         at = 0
         for tensor, first, count in self._pieces(start, stop):
-            output = self.outputs[tensor]
+            output = outputs[tensor]
             if output is not None:
-                scale_into(source[at:at + count], self.factor,
-                           output[first:first + count])
+                scale_into(source[at:at + count], factor, output[first:first + count])
             at += count
 
 
