@@ -7,8 +7,20 @@ A test written as::
         ...                      # runs on every rank of an MPI job
 
 becomes one pytest test per rank count. All tests of a module that share
-the options run in one ``mpirun`` job, one after another, with a barrier
-between them; the job has a timeout, so a hang fails instead of hanging.
+the options run in one ``mpirun`` job, one after another in the order the
+module defines them, with a barrier between them; the job has a timeout, so
+a hang fails instead of hanging.
+
+A body run once for each of several values (tests/bad_input_table.py runs
+each case on each framework so)::
+
+    @mpi_test(over=("numpy", "torch"))
+    def test_something(name):    # called with "numpy", then with "torch"
+        ...
+
+becomes one pytest test per (value, rank count): test_something[torch-np2].
+The values run one after another in the same job, each reported on its own;
+in the job the test is named test_something[torch].
 """
 
 import json
@@ -22,30 +34,48 @@ import pytest
 from devtools.mpi_jobs import ROOT, job_environment, kill_session, mpirun_command
 
 
-def mpi_test(np=(2, 3), env=None, timeout=30, init=True, skip=None):
+def mpi_test(np=(2, 3), env=None, timeout=30, init=True, skip=None, over=None):
     """Mark a function to run on every rank of an mpirun job of ``np`` ranks.
 
     env: extra environment variables for the job; init: call mpitrain.init()
     before the test (False: the test starts mpitrain itself); skip: a
     function of (rank count, the job's environment) that returns why this
     machine cannot run the test, or None. A body may also call pytest.skip()
-    on every rank.
+    on every rank. over: strings (without brackets) to call the body with,
+    one after another.
     """
     def decorate(body):
-        @pytest.mark.parametrize("nprocs", np, ids=lambda n: f"np{n}")
-        def test(nprocs, mpi_jobs, request):
+        runs = [(value, nprocs) for value in over or (None,) for nprocs in np]
+        ids = [f"np{n}" if value is None else f"{value}-np{n}" for value, n in runs]
+
+        @pytest.mark.parametrize("value, nprocs", runs, ids=ids)
+        def test(value, nprocs, mpi_jobs, request):
             reason = _skip_reason(test, nprocs)
             if reason:
                 pytest.skip(reason)
-            mpi_jobs.check(request.module, body.__name__, nprocs)
+            mpi_jobs.check(request.module, body.__name__, nprocs, value)
 
         test.__name__ = test.__qualname__ = body.__name__
         test.__doc__ = body.__doc__
         test.mpi_body = body
+        test.mpi_rank_counts = np
+        test.mpi_labels = [_label(body.__name__, value) for value in over or (None,)]
         test.mpi_options = (tuple(sorted((env or {}).items())), timeout, init)
         test.mpi_skip = skip
         return test
     return decorate
+
+
+def _label(name, value):
+    """A test's name in its job: the name, and [value] for a value of over."""
+    return name if value is None else f"{name}[{value}]"
+
+
+def run_labelled(module, label):
+    """Inside a job: run the body of the test ``label`` names (see _label)."""
+    name, _, value = label.partition("[")
+    body = getattr(module, name).mpi_body
+    return body(value[:-1]) if value else body()
 
 
 def _skip_reason(test, nprocs):
@@ -92,13 +122,13 @@ class Jobs:
     def __init__(self):
         self._results = {}
 
-    def check(self, module, name, nprocs):
+    def check(self, module, name, nprocs, value=None):
         options = getattr(module, name).mpi_options
         key = (module.__file__, nprocs, options)
         if key not in self._results:
             self._results[key] = self._run(module, nprocs, options)
         results, job = self._results[key]
-        per_rank = [r.get(name) for r in results]
+        per_rank = [r.get(_label(name, value)) for r in results]
         failures = [f"--- rank {rank} ---\n{r['message']}"
                     for rank, r in enumerate(per_rank)
                     if r and r["status"] not in ("passed", "skipped")]
@@ -122,9 +152,8 @@ class Jobs:
         env, timeout, init = options
         tests = [value for value in vars(module).values()
                  if hasattr(value, "mpi_body") and value.mpi_options == options
-                 and nprocs in _rank_counts(value) and not _skip_reason(value, nprocs)]
-        tests.sort(key=lambda test: test.mpi_body.__code__.co_firstlineno)
-        names = [test.__name__ for test in tests]
+                 and nprocs in value.mpi_rank_counts and not _skip_reason(value, nprocs)]
+        names = [label for test in tests for label in test.mpi_labels]
         with tempfile.TemporaryDirectory() as outdir:
             args = ["-m", "tests.mpi_worker", module.__file__, outdir, str(timeout),
                     "1" if init else "0"] + names
@@ -134,13 +163,6 @@ class Jobs:
                 path = os.path.join(outdir, f"rank{rank}.json")
                 results.append(json.load(open(path)) if os.path.exists(path) else {})
         return results, job
-
-
-def _rank_counts(test):
-    for mark in getattr(test, "pytestmark", []):
-        if mark.name == "parametrize" and mark.args[0] == "nprocs":
-            return mark.args[1]
-    return ()
 
 
 def on_a_new_process_set(ranks, body):

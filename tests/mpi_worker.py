@@ -11,6 +11,8 @@ import traceback
 
 import pytest
 
+from tests.mpi_harness import run_labelled
+
 
 def _load(path):
     spec = importlib.util.spec_from_file_location("mpi_test_module", path)
@@ -75,7 +77,7 @@ def main():
         watchdog.arm(name)
         started = time.monotonic()
         try:
-            getattr(module, name).mpi_body()
+            run_labelled(module, name)
             status, message = "passed", ""
         except pytest.skip.Exception as skip:
             status, message = "skipped", str(skip)
