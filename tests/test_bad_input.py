@@ -1,8 +1,12 @@
-"""Bad input on the numpy core, collective by collective (docs/bad-input.md).
+"""Bad input on the numpy core (docs/bad-input.md).
 
-tests/test_errors.py covers allreduce and the first cases of each kind; this
-file tries each kind of bad input on every collective, checks the answer on
-every rank, and that the engine still works afterwards.
+tests/test_errors.py covers allreduce and the first cases of each kind; the
+cases every framework shares (mismatches, unsupported dtypes, empty,
+strided and 0-d arrays, roots, splits, process sets, calls before init) are
+tests/bad_input_table.py's, run here on numpy. This file tries the rest on
+the core and its engine: settings, names, threads, forks, output arrays,
+disagreements only the stall report ends, checking the answer on every
+rank, and that the engine still works afterwards.
 """
 
 import os
@@ -16,141 +20,25 @@ import pytest
 
 import mpitrain as mt
 from mpitrain.errors import CollectiveValueError
+from tests import bad_input_table
+from tests.frameworks import Numpy
 from tests.mpi_harness import mpi_test
 from tests.test_errors import engine_still_works, raises_everywhere
 
 FAST_STALL = {"MPITRAIN_STALL_CHECK_TIME_SECONDS": "0.5",
               "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "2"}
 
-
-def every_collective(array, name, process_set=mt.global_process_set):
-    """One call of each collective on ``array``: label -> thunk."""
-    kwargs = {"process_set": process_set}
-    return {
-        "allreduce": lambda: mt.allreduce(array, name=f"{name}.allreduce", **kwargs),
-        "allgather": lambda: mt.allgather(array, name=f"{name}.allgather", **kwargs),
-        "broadcast": lambda: mt.broadcast(array, 0, name=f"{name}.broadcast", **kwargs),
-        "alltoall": lambda: mt.alltoall(array, name=f"{name}.alltoall", **kwargs),
-        "reducescatter": lambda: mt.reducescatter(array, name=f"{name}.reducescatter",
-                                                  **kwargs),
-        "grouped_allreduce": lambda: mt.grouped_allreduce([array, array],
-                                                          name=f"{name}.grouped", **kwargs),
-        "grouped_allgather": lambda: mt.grouped_allgather([array],
-                                                          name=f"{name}.ggather", **kwargs),
-    }
-
-
-@mpi_test()
-def test_mismatched_shapes_and_dtypes_fail_every_collective_on_every_rank():
-    r, n = mt.rank(), mt.size()
-    rows = np.zeros((n, 2 + r), np.float32)              # differs beyond the first dim
-    for label, call in every_collective(rows, "shape").items():
-        message = raises_everywhere(mt.MismatchError, "mismatched shapes", call)
-        assert "rank 0: (" in message, (label, message)
-    typed = np.zeros((n, 2), np.float32 if r == 0 else np.float64)
-    for label, call in every_collective(typed, "dtype").items():
-        message = raises_everywhere(mt.MismatchError, "mismatched data types", call)
-        assert "rank 0: float32" in message and "float64" in message, label
-    engine_still_works()
-
-
-@mpi_test()
-def test_mismatched_reducescatter_op_and_scale_factors_fail_on_every_rank():
-    r, n = mt.rank(), mt.size()
-    rows = np.ones((n, 2))
-    raises_everywhere(mt.MismatchError, "reduction ops.*rank 0: Sum", lambda: mt.reducescatter(
-        rows, op=mt.Sum if r == 0 else mt.Average, name="rs.op"))
-    raises_everywhere(mt.MismatchError, "prescale factors", lambda: mt.reducescatter(
-        rows, prescale_factor=1.0 + r, name="rs.prescale"))
-    raises_everywhere(mt.MismatchError, "postscale factors", lambda: mt.reducescatter(
-        rows, postscale_factor=1.0 + r, name="rs.postscale"))
-    engine_still_works()
-
-
-@mpi_test()
-def test_unsupported_dtypes_fail_every_collective_on_every_rank():
-    n = mt.size()
-    for dtype in (bool, np.complex64, np.uint32, object, "<U1"):
-        array = np.zeros((n, 2), dtype)
-        for label, call in every_collective(array, f"unsupported.{np.dtype(dtype)}").items():
-            message = raises_everywhere(TypeError, "unsupported dtype", call)
-            assert "mpitrain supports" in message, (label, message)
-    engine_still_works()
+# The shared cases, first in each job (the one before init() wants a fresh process).
+globals().update(bad_input_table.tests_for("numpy"))
 
 
 @mpi_test()
 def test_an_unsupported_dtype_on_one_rank_names_that_rank_everywhere():
     n = mt.size()
     array = np.zeros((n, 2), np.complex64 if mt.rank() == n - 1 else np.float32)
-    for label, call in every_collective(array, "one.complex").items():
+    for label, call in Numpy().every_collective(array, "one.complex").items():
         message = raises_everywhere(TypeError, "unsupported dtype complex64", call)
         assert f"rank {n - 1}" in message, (label, message)
-    engine_still_works()
-
-
-@mpi_test()
-def test_zero_size_and_noncontiguous_arrays_give_the_right_answer():
-    r, n = mt.rank(), mt.size()
-    empty = np.zeros((0, 3), np.float32)
-    assert mt.allreduce(empty).shape == (0, 3)
-    assert mt.allgather(empty).shape == (0, 3)
-    assert mt.broadcast(empty, 0).shape == (0, 3)
-    out, received = mt.alltoall(empty)
-    assert out.shape == (0, 3) and received.tolist() == [0] * n
-    assert mt.reducescatter(empty).shape == (0, 3)
-    assert [a.shape for a in mt.grouped_allreduce([empty, np.ones(2)])] == [(0, 3), (2,)]
-
-    base = np.arange(4.0 * n * 2).reshape(2 * n, 4) + 100 * r
-    strided = base[::2, ::2]                              # (n, 2), not contiguous
-    assert not strided.flags.c_contiguous
-    everyone = [np.arange(4.0 * n * 2).reshape(2 * n, 4)[::2, ::2] + 100 * k
-                for k in range(n)]
-    np.testing.assert_array_equal(mt.allreduce(strided, op=mt.Sum), sum(everyone))
-    np.testing.assert_array_equal(mt.allgather(strided), np.concatenate(everyone))
-    np.testing.assert_array_equal(mt.broadcast(strided, n - 1), everyone[n - 1])
-    out, _ = mt.alltoall(strided)
-    np.testing.assert_array_equal(out, np.stack([e[r] for e in everyone]))
-    np.testing.assert_array_equal(mt.reducescatter(strided, op=mt.Sum),
-                                  sum(everyone)[r:r + 1])
-    engine_still_works()
-
-
-@mpi_test()
-def test_scalars_reduce_and_broadcast_but_do_not_gather_or_scatter():
-    r, n = mt.rank(), mt.size()
-    assert mt.allreduce(np.float32(r + 1), op=mt.Sum) == n * (n + 1) / 2
-    assert mt.broadcast(np.int64(r + 7), n - 1) == n + 6
-    for call in (lambda: mt.allgather(np.float32(1)),
-                 lambda: mt.alltoall(np.float32(1)),
-                 lambda: mt.reducescatter(np.float32(1))):
-        raises_everywhere(ValueError, "at least one dimension, got a scalar", call)
-    engine_still_works()
-
-
-@mpi_test()
-def test_a_root_out_of_range_fails_on_every_rank():
-    r, n = mt.rank(), mt.size()
-    for root in (n, -1, 10 ** 6):
-        raises_everywhere(ValueError, f"root_rank {root} is out of range",
-                          lambda root=root: mt.broadcast(np.ones(2), root))
-    raises_everywhere(ValueError, f"root_rank {n} is out of range", lambda: mt.broadcast_object(
-        {"epoch": 1}, root_rank=n))
-    # only the last rank gets it wrong: the others hear which rank it was
-    message = raises_everywhere(ValueError, "out of range", lambda: mt.broadcast(
-        np.ones(2), n if r == n - 1 else 0, name="one.bad.root"))
-    assert f"failed on rank {n - 1}" in message
-    engine_still_works()
-
-
-@mpi_test()
-def test_alltoall_splits_that_do_not_fit_fail_on_every_rank():
-    n = mt.size()
-    rows = np.ones((n, 2))
-    raises_everywhere(ValueError, "add up to", lambda: mt.alltoall(rows, splits=[n] * n))
-    raises_everywhere(ValueError, "non-negative whole numbers, one per rank",
-                      lambda: mt.alltoall(rows, splits=[-1] + [1] * (n - 2) + [2]))
-    raises_everywhere(ValueError, "one per rank", lambda: mt.alltoall(rows, splits=[n]))
-    raises_everywhere(ValueError, "divisible", lambda: mt.alltoall(np.ones((n + 1, 2))))
     engine_still_works()
 
 
@@ -171,55 +59,6 @@ def test_wrong_output_arrays_fail_on_every_rank():
     frozen.flags.writeable = False
     raises_everywhere(ValueError, "read-only", into(frozen))
     engine_still_works()
-
-
-@mpi_test(np=(3,))
-def test_a_process_set_this_rank_is_not_in():
-    first_two = mt.add_process_set([0, 1])
-    for call in every_collective(np.ones((2, 2)), "members", first_two).values():
-        if mt.rank() == 2:
-            with pytest.raises(ValueError, match=r"this rank \(2\) is not a member"):
-                call()
-        else:
-            call()                       # the members are not held up
-    with pytest.raises(ValueError, match="is not registered"):
-        mt.allreduce(np.ones(1), process_set=mt.ProcessSet([0, 2]))
-    mt.remove_process_set(first_two)
-    engine_still_works()
-
-
-def every_entry_point():
-    """Each public call that needs a running engine: label -> thunk."""
-    one = np.ones((2, 1))
-    calls = dict(every_collective(one, "uninitialized"))
-    calls.update({
-        "allreduce_async": lambda: mt.allreduce_async(one),
-        "grouped_reducescatter": lambda: mt.grouped_reducescatter([one]),
-        "barrier": mt.barrier,
-        "join": mt.join,
-        "broadcast_object": lambda: mt.broadcast_object({"epoch": 1}),
-        "allgather_object": lambda: mt.allgather_object(1),
-        "add_process_set": lambda: mt.add_process_set([0]),
-        "start_timeline": lambda: mt.start_timeline("/dev/null"),
-        "rank": mt.rank,
-    })
-    return calls
-
-
-@mpi_test(init=False)
-def test_calls_before_init_and_after_shutdown_say_to_call_init():
-    for call in every_entry_point().values():
-        with pytest.raises(ValueError, match=r"not been initialized; call mpitrain.init\(\)"):
-            call()
-    mt.init()
-    engine_still_works()
-    mt.shutdown()
-    for call in every_entry_point().values():
-        with pytest.raises(ValueError, match=r"call mpitrain.init\(\)"):
-            call()
-    mt.init()
-    engine_still_works()
-    mt.shutdown()
 
 
 @mpi_test(init=False)
@@ -379,14 +218,21 @@ def test_an_object_one_rank_cannot_pickle_fails_every_rank():
 
 
 def test_every_test_docs_bad_input_names_exists():
-    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "bad-input.md")) as page:
-        cited = set(re.findall(r"`(test_\w+\.py)::(test_\w+)`", page.read()))
+    """Named as file::test, or file::test[framework-np2] for a case of
+    bad_input_table.py that the file runs."""
+    def source(filename):
+        with open(os.path.join(os.path.dirname(__file__), filename)) as stream:
+            return stream.read()
+    cited = set(re.findall(r"`(\w+\.py)::(test_\w+)(?:\[[\w.-]+\])?`",
+                           source("../docs/bad-input.md")))
     assert len(cited) > 30
+    table = source("bad_input_table.py")
     missing = []
     for filename, name in sorted(cited):
-        with open(os.path.join(os.path.dirname(__file__), filename)) as source:
-            if f"def {name}(" not in source.read():
-                missing.append(f"{filename}::{name}")
+        text = source(filename)
+        if f"def {name}(" not in text and not (
+                "bad_input_table.tests_for(" in text and f"def {name}(" in table):
+            missing.append(f"{filename}::{name}")
     assert not missing
 
 

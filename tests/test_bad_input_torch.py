@@ -1,9 +1,11 @@
-"""Bad input through mpitrain.torch: collectives and the optimizer helpers.
+"""Bad input only mpitrain.torch gets: other kinds of input, optimizer helpers.
 
 tests/test_torch_ops.py and tests/test_torch_optimizer.py cover allreduce's
 mismatches, bool tensors, GPU tensors, duplicate names and the optimizer's
-argument checks; this file covers the other collectives and the remaining
-kinds of bad input (docs/bad-input.md).
+argument checks; tests/bad_input_table.py's cases, which every framework
+shares, run here on torch. This file covers what only torch has: inputs
+that are no CPU tensor, the optimizer helpers, pickled objects, in-place
+calls (docs/bad-input.md).
 """
 
 import re
@@ -14,74 +16,16 @@ import pytest
 import torch
 
 import mpitrain.torch as hvd
+from tests import bad_input_table
+from tests.frameworks import Torch
 from tests.mpi_harness import mpi_test
 from tests.test_torch_ops import raises_everywhere
 
-torch.set_num_threads(1)
+TORCH = Torch()
+engine_still_works = TORCH.engine_still_works
 
-
-def engine_still_works():
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="still.works")[0] == hvd.size()
-
-
-def every_collective(tensor, name, process_set=hvd.global_process_set):
-    """One call of each torch collective on ``tensor``: label -> thunk."""
-    kw = {"process_set": process_set}
-    return {
-        "allreduce": lambda: hvd.allreduce(tensor, name=f"{name}.ar", **kw),
-        "allreduce_": lambda: hvd.allreduce_(tensor, name=f"{name}.ar_", **kw),
-        "allgather": lambda: hvd.allgather(tensor, name=f"{name}.ag", **kw),
-        "broadcast": lambda: hvd.broadcast(tensor, 0, name=f"{name}.bc", **kw),
-        "broadcast_": lambda: hvd.broadcast_(tensor, 0, name=f"{name}.bc_", **kw),
-        "alltoall": lambda: hvd.alltoall(tensor, name=f"{name}.a2a", **kw),
-        "reducescatter": lambda: hvd.reducescatter(tensor, name=f"{name}.rs", **kw),
-        "grouped_allreduce": lambda: hvd.grouped_allreduce([tensor], name=f"{name}.gar",
-                                                           **kw),
-        "grouped_allgather": lambda: hvd.grouped_allgather([tensor], name=f"{name}.gag",
-                                                           **kw),
-        "grouped_reducescatter": lambda: hvd.grouped_reducescatter(
-            [tensor], name=f"{name}.grs", **kw),
-    }
-
-
-@mpi_test()
-def test_mismatched_shapes_and_dtypes_fail_every_collective_on_every_rank():
-    r, n = hvd.rank(), hvd.size()
-    for label, call in every_collective(torch.zeros(n, 2 + r), "shape").items():
-        message = raises_everywhere(hvd.MismatchError, "mismatched shapes", call)
-        assert "rank 0: (" in message, (label, message)
-    typed = torch.zeros(n, 2, dtype=torch.float32 if r == 0 else torch.int64)
-    for label, call in every_collective(typed, "dtype").items():
-        message = raises_everywhere(hvd.MismatchError, "mismatched data types", call)
-        assert "rank 0: float32" in message and "int64" in message, label
-    engine_still_works()
-
-
-@mpi_test()
-def test_mismatched_ops_and_scale_factors_fail_on_every_rank():
-    r, n = hvd.rank(), hvd.size()
-    rows = torch.ones(n, 2)
-    raises_everywhere(hvd.MismatchError, "reduction ops", lambda: hvd.allreduce(
-        rows, op=hvd.Sum if r == 0 else hvd.Max, name="op"))
-    raises_everywhere(hvd.MismatchError, "reduction ops", lambda: hvd.reducescatter(
-        rows, op=hvd.Sum if r == 0 else hvd.Average, name="rs.op"))
-    raises_everywhere(hvd.MismatchError, "prescale factors", lambda: hvd.allreduce(
-        rows, prescale_factor=1.0 + r, name="prescale"))
-    raises_everywhere(hvd.MismatchError, "postscale factors", lambda: hvd.reducescatter(
-        rows, postscale_factor=1.0 + r, name="rs.postscale"))
-    raises_everywhere(hvd.MismatchError, "root ranks", lambda: hvd.broadcast(
-        rows, r % 2, name="root"))
-    engine_still_works()
-
-
-@mpi_test()
-def test_unsupported_dtypes_fail_every_collective_on_every_rank():
-    n = hvd.size()
-    for dtype in (torch.bool, torch.complex64, torch.uint32, torch.complex32):
-        for call in every_collective(torch.zeros(n, 2, dtype=dtype),
-                                     f"unsupported.{dtype}").values():
-            raises_everywhere(TypeError, "unsupported dtype", call)
-    engine_still_works()
+# The shared cases, first in each job (the one before init() wants a fresh process).
+globals().update(bad_input_table.tests_for("torch"))
 
 
 @mpi_test()
@@ -90,72 +34,20 @@ def test_tensors_the_core_cannot_take_are_type_errors():
                            (np.ones(2), "expected a torch.Tensor, got ndarray"),
                            (torch.ones(2, device="meta"), r"\.cpu\(\)"),
                            (torch.ones(2).to_sparse(), "sparse_allreduce_async")]:
-        for label, call in every_collective(value, "wrong.kind").items():
+        for label, call in TORCH.every_collective(value, "wrong.kind").items():
             with pytest.raises(TypeError, match=problem):
                 call()
     engine_still_works()
 
 
 @mpi_test()
-def test_zero_size_noncontiguous_and_scalar_tensors_give_the_right_answer():
-    r, n = hvd.rank(), hvd.size()
-    empty = torch.zeros(0, 3)
-    for label, call in every_collective(empty, "empty").items():
-        result = call()
-        shapes = [t.shape for t in (result if isinstance(result, list) else [result])]
-        assert all(shape == (0, 3) for shape in shapes), (label, shapes)
-    everyone = [torch.arange(4.0 * n).reshape(4, n).t() + 10 * k for k in range(n)]
-    strided = everyone[r]                                 # (n, 4), not contiguous
-    assert not strided.is_contiguous()
-    assert torch.equal(hvd.allreduce(strided, op=hvd.Sum), sum(everyone))
-    assert torch.equal(hvd.allgather(strided), torch.cat(everyone))
-    assert torch.equal(hvd.broadcast_(strided.clone(), n - 1), everyone[n - 1])
-    assert torch.equal(hvd.alltoall(strided), torch.stack([e[r] for e in everyone]))
-    assert torch.equal(hvd.reducescatter(strided, op=hvd.Sum), sum(everyone)[r:r + 1])
-    assert hvd.allreduce(torch.tensor(float(r + 1)), op=hvd.Sum) == n * (n + 1) / 2
-    assert hvd.broadcast(torch.tensor(r + 7), n - 1) == n + 6
-    raises_everywhere(ValueError, "got a scalar", lambda: hvd.alltoall(torch.tensor(1.0)))
-    raises_everywhere(ValueError, "got a scalar",
-                      lambda: hvd.reducescatter(torch.tensor(1.0)))
-    engine_still_works()
-
-
-@mpi_test()
-def test_allgather_checks_its_input_before_reading_its_shape():
-    raises_everywhere(ValueError, "got a scalar", lambda: hvd.allgather(torch.tensor(1.0)))
-    with pytest.raises(TypeError, match="expected a torch.Tensor"):
-        hvd.allgather([1.0, 2.0])
-
-
-@mpi_test()
-def test_roots_out_of_range_and_splits_that_do_not_fit_fail_on_every_rank():
-    n = hvd.size()
+def test_optimizer_helpers_with_a_root_out_of_range_fail_on_every_rank():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for call in (lambda: hvd.broadcast(torch.ones(2), n),
-                 lambda: hvd.broadcast_(torch.ones(2), -1),
-                 lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=n),
-                 lambda: hvd.broadcast_object({"epoch": 1}, root_rank=n),
+    n = hvd.size()
+    for call in (lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=n),
                  lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=n)):
         raises_everywhere(ValueError, "out of range", call)
-    rows = torch.ones(n, 2)
-    raises_everywhere(ValueError, "add up to",
-                      lambda: hvd.alltoall(rows, splits=torch.tensor([n] * n)))
-    raises_everywhere(ValueError, "one per rank",
-                      lambda: hvd.alltoall(rows, splits=torch.tensor([n])))
-    engine_still_works()
-
-
-@mpi_test(np=(3,))
-def test_a_process_set_this_rank_is_not_in():
-    first_two = hvd.add_process_set([0, 1])
-    for call in every_collective(torch.ones(2, 2), "members", first_two).values():
-        if hvd.rank() == 2:
-            with pytest.raises(ValueError, match="not a member"):
-                call()
-        else:
-            call()
-    hvd.remove_process_set(first_two)
     engine_still_works()
 
 
@@ -224,26 +116,6 @@ def test_an_optimizer_state_the_root_cannot_pickle_fails_every_rank():
     raises_everywhere(TypeError, "'broadcast_optimizer_state.size' failed on rank 0: "
                                  "the object cannot be pickled",
                       lambda: hvd.broadcast_optimizer_state(optimizer, root_rank=0))
-    engine_still_works()
-
-
-@mpi_test(init=False)
-def test_calls_before_init_and_after_shutdown_say_to_call_init():
-    model = torch.nn.Linear(2, 2)
-    calls = [lambda: hvd.allreduce(torch.ones(2)),
-             lambda: hvd.allreduce_async_(torch.ones(2)),
-             lambda: hvd.broadcast_parameters(model.state_dict(), 0),
-             lambda: hvd.join()]
-    for call in calls:
-        with pytest.raises(ValueError, match=r"call mpitrain.init\(\)"):
-            call()
-    hvd.init()
-    engine_still_works()
-    hvd.shutdown()
-    for call in calls:
-        with pytest.raises(ValueError, match=r"call mpitrain.init\(\)"):
-            call()
-    hvd.init()
     engine_still_works()
 
 
