@@ -22,8 +22,8 @@ def empty(shape, dtype):
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    return aligned_bytes(np.empty(nbytes + ALIGNMENT, dtype=np.uint8),
-                         nbytes).view(dtype).reshape(shape)
+    flat = aligned_bytes(np.empty(nbytes + ALIGNMENT, dtype=np.uint8), nbytes).view(dtype)
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def aligned_bytes(owner, nbytes):

@@ -80,7 +80,10 @@ class RecycledBuffers:
     def empty(self, shape, dtype):
         """An uninitialized C-contiguous array, like mpitrain.backends.host.empty."""
         dtype = np.dtype(dtype)
-        return self.take(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < MIN_BYTES:
+            return empty(shape, dtype)   # at once: a step may ask for hundreds
+        return self.take(nbytes).view(dtype).reshape(shape)
 
 
 def _idle_references():
