@@ -90,6 +90,12 @@ def _skip_reason(test, nprocs):
 _LAUNCHER_FAILURES = ("The PMIx server's listener thread failed to start",)
 
 
+def failed_to_start(job):
+    """Did Open MPI's launcher fail before any rank ran (start it once more)?"""
+    return bool(job.returncode) and any(failure in job.stderr
+                                        for failure in _LAUNCHER_FAILURES)
+
+
 def run_mpi(nprocs, args, env=(), timeout=60):
     """Run ``python args...`` on nprocs ranks; returns CompletedProcess.
 
@@ -97,7 +103,7 @@ def run_mpi(nprocs, args, env=(), timeout=60):
     with returncode None.
     """
     job = _run_once(nprocs, args, env, timeout)
-    if job.returncode and any(failure in job.stderr for failure in _LAUNCHER_FAILURES):
+    if failed_to_start(job):
         job = _run_once(nprocs, args, env, timeout)
     return job
 

@@ -14,7 +14,7 @@ import pytest
 
 import mpitrain
 from mpitrain.launcher import run
-from tests.mpi_harness import ROOT, job_environment, kill_session
+from tests.mpi_harness import ROOT, failed_to_start, job_environment, kill_session
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
 WAITING_RANK = os.path.join("tests", "scripts", "waiting_rank.py")
@@ -33,9 +33,13 @@ def launcher_environment(env=()):
 
 
 def launch(args, env=(), timeout=120):
-    return subprocess.run([LAUNCHER] + list(args), cwd=ROOT,
-                          env=launcher_environment(env),
-                          capture_output=True, text=True, timeout=timeout)
+    for _ in range(2):
+        job = subprocess.run([LAUNCHER] + list(args), cwd=ROOT,
+                             env=launcher_environment(env),
+                             capture_output=True, text=True, timeout=timeout)
+        if not failed_to_start(job):
+            break
+    return job
 
 
 def start(args):
