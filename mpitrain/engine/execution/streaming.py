@@ -61,8 +61,8 @@ class Stream(ChunkIO):
     def _pieces(self, start, stop):
         """(tensor, its first element, how many) of the buffer's elements start:stop."""
         starts, ends = self.starts, self.ends
-        for tensor in range(bisect.bisect_right(starts, start) - 1,
-                            bisect.bisect_left(starts, stop)):
+        first, last = self._span(start, stop)
+        for tensor in range(first, last + 1):
             low = start if start > starts[tensor] else starts[tensor]
             high = stop if stop < ends[tensor] else ends[tensor]
             if low < high:
