@@ -21,6 +21,15 @@ each case on each framework so)::
 becomes one pytest test per (value, rank count): test_something[torch-np2].
 The values run one after another in the same job, each reported on its own;
 in the job the test is named test_something[torch].
+
+A body run under several environments (tests/test_gpu.py runs each on every
+route a device buffer can take so)::
+
+    @mpi_test(envs={"staged": {...}, "nccl": {...}})
+    def test_something():
+
+becomes one pytest test per (environment, rank count): test_something[nccl-np2],
+each environment's tests in a job of their own.
 """
 
 import json
@@ -34,33 +43,39 @@ import pytest
 from devtools.mpi_jobs import ROOT, job_environment, kill_session, mpirun_command
 
 
-def mpi_test(np=(2, 3), env=None, timeout=30, init=True, skip=None, over=None):
+def mpi_test(np=(2, 3), env=None, timeout=30, init=True, skip=None, over=None,
+             envs=None):
     """Mark a function to run on every rank of an mpirun job of ``np`` ranks.
 
-    env: extra environment variables for the job; init: call mpitrain.init()
-    before the test (False: the test starts mpitrain itself); skip: a
-    function of (rank count, the job's environment) that returns why this
-    machine cannot run the test, or None. A body may also call pytest.skip()
-    on every rank. over: strings (without brackets) to call the body with,
-    one after another.
+    env: extra environment variables for the job; envs instead: {name: env}
+    to run the body once in each; init: call mpitrain.init() before the test
+    (False: the test starts mpitrain itself); skip: a function of (rank
+    count, the job's environment) that returns why this machine cannot run
+    the test, or None. A body may also call pytest.skip() on every rank.
+    over: strings (without brackets) to call the body with, one after another.
     """
-    def decorate(body):
-        runs = [(value, nprocs) for value in over or (None,) for nprocs in np]
-        ids = [f"np{n}" if value is None else f"{value}-np{n}" for value, n in runs]
+    variants = {None: env or {}} if envs is None else envs
 
-        @pytest.mark.parametrize("value, nprocs", runs, ids=ids)
-        def test(value, nprocs, mpi_jobs, request):
-            reason = _skip_reason(test, nprocs)
+    def decorate(body):
+        runs = [(variant, value, nprocs) for variant in variants
+                for value in over or (None,) for nprocs in np]
+        ids = ["-".join([str(part) for part in (variant, value) if part is not None]
+                        + [f"np{n}"]) for variant, value, n in runs]
+
+        @pytest.mark.parametrize("variant, value, nprocs", runs, ids=ids)
+        def test(variant, value, nprocs, mpi_jobs, request):
+            reason = _skip_reason(test, variant, nprocs)
             if reason:
                 pytest.skip(reason)
-            mpi_jobs.check(request.module, body.__name__, nprocs, value)
+            mpi_jobs.check(request.module, body.__name__, variant, nprocs, value)
 
         test.__name__ = test.__qualname__ = body.__name__
         test.__doc__ = body.__doc__
         test.mpi_body = body
         test.mpi_rank_counts = np
         test.mpi_labels = [_label(body.__name__, value) for value in over or (None,)]
-        test.mpi_options = (tuple(sorted((env or {}).items())), timeout, init)
+        test.mpi_variants = {variant: (tuple(sorted(variant_env.items())), timeout, init)
+                             for variant, variant_env in variants.items()}
         test.mpi_skip = skip
         return test
     return decorate
@@ -78,10 +93,10 @@ def run_labelled(module, label):
     return body(value[:-1]) if value else body()
 
 
-def _skip_reason(test, nprocs):
+def _skip_reason(test, variant, nprocs):
     if test.mpi_skip is None:
         return None
-    return test.mpi_skip(nprocs, job_environment(dict(test.mpi_options[0])))
+    return test.mpi_skip(nprocs, job_environment(dict(test.mpi_variants[variant][0])))
 
 
 # Open MPI's launcher now and then fails to start before any rank runs (seen
@@ -128,8 +143,8 @@ class Jobs:
     def __init__(self):
         self._results = {}
 
-    def check(self, module, name, nprocs, value=None):
-        options = getattr(module, name).mpi_options
+    def check(self, module, name, variant, nprocs, value=None):
+        options = getattr(module, name).mpi_variants[variant]
         key = (module.__file__, nprocs, options)
         if key not in self._results:
             self._results[key] = self._run(module, nprocs, options)
@@ -156,9 +171,10 @@ class Jobs:
 
     def _run(self, module, nprocs, options):
         env, timeout, init = options
-        tests = [value for value in vars(module).values()
-                 if hasattr(value, "mpi_body") and value.mpi_options == options
-                 and nprocs in value.mpi_rank_counts and not _skip_reason(value, nprocs)]
+        tests = [test for test in vars(module).values() if hasattr(test, "mpi_body")
+                 and nprocs in test.mpi_rank_counts and any(
+                     test_options == options and not _skip_reason(test, variant, nprocs)
+                     for variant, test_options in test.mpi_variants.items())]
         names = [label for test in tests for label in test.mpi_labels]
         with tempfile.TemporaryDirectory() as outdir:
             args = ["-m", "tests.mpi_worker", module.__file__, outdir, str(timeout),
