@@ -147,7 +147,7 @@ def _received(result):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start sending ``splits[i]`` rows to rank i; the result is (output, received splits)."""
     if isinstance(splits, torch.Tensor):
-        splits = as_array(splits.cpu(), "alltoall splits")    # read on the host
+        splits = np.asarray(splits.detach().cpu().tolist())   # numbers, read on the host
     array = _input(tensor, "alltoall input", OpType.ALLTOALL, name, process_set)
     handle = array_ops.alltoall_async(array, splits, name, process_set)
     return TensorHandle(handle, _received)

@@ -89,9 +89,15 @@ def _has_an_array_type(dtype):
 def as_tensor(array):
     """A tensor sharing ``array``'s memory (CuPy arrays stay on their GPU)."""
     bits = array.view(np.int16) if array.dtype == _BFLOAT16 else array
-    tensor = (torch.from_numpy(bits) if arrays.of(bits) in (arrays.HOST, None)
-              else torch.from_dlpack(bits))
+    tensor = _tensor(bits)
     return tensor.view(torch.bfloat16) if bits is not array else tensor
+
+
+def _tensor(array):
+    """The tensor over a numpy (host) or CuPy (CUDA) array's memory."""
+    if arrays.of(array) in (arrays.HOST, None):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
 
 
 class TensorHandle:
