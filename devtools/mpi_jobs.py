@@ -34,6 +34,7 @@ def _is_open_mpi(mpirun):
 
 def job_environment(extra=()):
     env = dict(os.environ)
+    env.pop("MPITRAIN_TEST_SIMULATED_GPU", None)    # only in jobs that ask for it
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMPI_MCA_btl", "^ofi")      # MPI start-up in 0.2 s, not 1.2 s
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 import mpitrain as mt
+from devtools import simulated_cupy
 
 ROUTES = []                  # the engine's "reduces ... by ..." records in this process
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -39,7 +40,8 @@ def transport():
     from mpitrain.transport import selection
     engine = mt.api.basics.engine()
     taken = "".join(f"\n    {line}" for line in ROUTES) or " none recorded"
-    return (f"{selection.describe(engine.device_plan, engine.cuda_aware)}\n"
+    return (f"{simulated_cupy.describe()}: "
+            f"{selection.describe(engine.device_plan, engine.cuda_aware)}\n"
             f"  routes taken:{taken}")
 
 
@@ -59,7 +61,7 @@ def host_copy(array):
 
 def layout(array):
     """Shape, dtype, strides and offset of a CuPy, torch or numpy array."""
-    kind = type(array).__module__.split(".")[0]
+    kind = _kind(array)
     if kind == "torch":
         return (f"torch {array.device} shape {tuple(array.shape)} {array.dtype}, strides "
                 f"{array.stride()} elements, storage offset {array.storage_offset()}, "
@@ -77,8 +79,7 @@ def expect(got, want, what, inputs=(), rtol=0.0, atol=0.0):
     """Assert that ``got`` holds ``want`` (a value or an array: exactly, or
     within rtol and atol); else fail with everything a reader needs."""
     values = host_copy(got)
-    wanted = (host_copy(want) if type(want).__module__.split(".")[0] in ("torch", "cupy")
-              else np.asarray(want))
+    wanted = (host_copy(want) if _kind(want) in ("torch", "cupy") else np.asarray(want))
     if wanted.ndim == 0:
         wanted = np.broadcast_to(wanted, values.shape)
     if np.shape(values) == np.shape(wanted):
@@ -109,6 +110,12 @@ def expect_route(kind, route, set_id=0):
     assert said and all(f"({kind}) by {route} (" in line for line in said), (
         f"{kind} groups of process set {set_id} on rank {mt.rank()} of {mt.size()} "
         f"should go by {route}; transport: {transport()}")
+
+
+def _kind(array):
+    """torch, cupy (the simulated device's arrays too), numpy or another module."""
+    module = type(array).__module__
+    return "cupy" if "cupy" in module else module.split(".")[0]
 
 
 def _wide(values):

@@ -11,6 +11,7 @@ import traceback
 
 import pytest
 
+from devtools import simulated_cupy
 from tests.mpi_harness import run_labelled
 
 
@@ -55,6 +56,7 @@ class Watchdog:
 def main():
     path, outdir, timeout, init = sys.argv[1:5]
     names = sys.argv[5:]
+    simulated_cupy.install()      # where MPITRAIN_TEST_SIMULATED_GPU asks for it
     module = _load(path)
     import mpitrain
     if init == "1":

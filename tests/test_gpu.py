@@ -1,16 +1,18 @@
 """The GPU path: CuPy arrays, torch CUDA tensors, TensorFlow GPU tensors.
 
-Skipped where CuPy finds no CUDA device. On a GPU machine these run the same
-checks as the CPU tests, on the transport the job chooses (run them once per
-transport: MPITRAIN_GPU_OPERATIONS=nccl, a CUDA-aware MPI, a plain one) and,
-where a test says so, staged through host memory. Ranks share the machine's
-GPUs round-robin by local rank; NCCL, which needs a GPU for each rank, skips
+On a GPU machine these run on its GPUs, on the transport the job chooses
+(run them once per transport: a CUDA-aware MPI, a plain one), staged
+through host memory and over NCCL; ranks share the machine's GPUs
+round-robin by local rank, and NCCL, which needs a GPU for each rank, skips
 where there are fewer GPUs than ranks, so one-rank jobs with
-MPITRAIN_TEST_ONE_RANK_PIPELINE=1 run NCCL's whole path on a machine with one
-GPU (and every other device route). A failure says the transport, the routes
-taken, the arrays' layouts and the first wrong values (tests/gpu_report.py).
+MPITRAIN_TEST_ONE_RANK_PIPELINE=1 run NCCL's whole path on a machine with
+one GPU (and every other device route). Everywhere else they run on the
+simulated CUDA device, on each of the three routes (tests/gpu_machine.py).
+A failure says the device, the transport, the routes taken, the arrays'
+layouts and the first wrong values (tests/gpu_report.py).
 """
 
+import contextlib
 import gc
 
 import ml_dtypes
@@ -20,33 +22,18 @@ import pytest
 import mpitrain as mt
 from mpitrain.api import engine_sizes
 from mpitrain.backends import arrays
+from tests import gpu_machine as machine
 from tests.gpu_report import expect, expect_route, watch_routes
 from tests.mpi_harness import mpi_test
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    arrays.cupy() is None,
-    reason=f"no CUDA device here: {arrays.why_no_cupy()} (pip install mpitrain[gpu] on "
-           "a CUDA machine)")]
-
-GPUS = arrays.cupy().cuda.runtime.getDeviceCount() if arrays.cupy() is not None else 0
-STAGED = {"MPITRAIN_GPU_OPERATIONS": "mpi", "MPITRAIN_CUDA_AWARE": "0"}
-NCCL = {"MPITRAIN_GPU_OPERATIONS": "nccl"}
-MPI = {"MPITRAIN_GPU_OPERATIONS": "mpi"}            # CUDA-aware where the library is
-PIPELINE = {"MPITRAIN_TEST_ONE_RANK_PIPELINE": "1"}  # one rank moves its buffers too
-
-
-def runnable(nprocs, env):
-    """Why this machine cannot run a job of ``nprocs`` ranks with this environment."""
-    if env.get("MPITRAIN_GPU_OPERATIONS") == "nccl" and 1 < nprocs and GPUS < nprocs:
-        return (f"NCCL needs a GPU for each rank: {nprocs} ranks, {GPUS} GPU(s) here "
-                "(init() refuses such a job, see test_nccl_on_a_shared_gpu_fails_init)")
-    return None
+pytestmark = pytest.mark.gpu
+ROUTES = machine.ROUTES
 
 
 def use_my_gpu():
     watch_routes()
     cupy = arrays.cupy()
-    cupy.cuda.Device(mt.local_rank() % GPUS).use()
+    cupy.cuda.Device(mt.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
     return cupy
 
 
@@ -99,25 +86,13 @@ def fused_alone_and_16_bit():
     expect_route("GPU float32 average", device_route())
 
 
-@mpi_test(np=(1, 2, 3), skip=runnable)
-def test_fused_alone_and_16_bit_allreduce_on_the_chosen_transport():
+@mpi_test(np=(1, 2, 3), envs=ROUTES, skip=machine.runnable)
+def test_fused_alone_and_16_bit_allreduce():
     fused_alone_and_16_bit()
 
 
-@mpi_test(np=(2, 3), env=STAGED)
-def test_fused_alone_and_16_bit_allreduce_staged_through_host_memory():
-    fused_alone_and_16_bit()
-
-
-@mpi_test(np=(1, 2), env=NCCL, skip=runnable)
-def test_fused_alone_and_16_bit_allreduce_over_nccl():
-    assert mt.api.basics.engine().device_plan.nccl
-    fused_alone_and_16_bit()
-
-
-@mpi_test(np=(2,), env=NCCL, init=False,
-          skip=lambda nprocs, env: None if GPUS < nprocs else
-          "every rank has a GPU of its own here")
+@mpi_test(np=(2,), env=machine.job_env(machine.NCCL, shared=True), init=False,
+          skip=machine.sharing_a_gpu)
 def test_nccl_on_a_shared_gpu_fails_init_on_every_rank_and_says_what_instead():
     with pytest.raises(ValueError) as raised:
         mt.init()
@@ -127,9 +102,9 @@ def test_nccl_on_a_shared_gpu_fails_init_on_every_rank_and_says_what_instead():
     assert "Use MPITRAIN_GPU_OPERATIONS=mpi" in message
 
 
-@mpi_test(np=(2,), skip=lambda nprocs, env: (
+@mpi_test(np=(2,), env=machine.job_env(shared=True), skip=lambda nprocs, env: (
     "the environment chooses the transport" if "MPITRAIN_GPU_OPERATIONS" in env else
-    "every rank has a GPU of its own here" if GPUS >= nprocs else None))
+    machine.sharing_a_gpu(nprocs, env)))
 def test_by_default_ranks_sharing_a_gpu_use_mpi_and_say_why():
     plan = mt.api.basics.engine().device_plan
     assert not plan.nccl and "share the 1 GPU of host" in plan.reason
@@ -166,13 +141,8 @@ def in_place_and_the_other_collectives():
     expect_route("GPU float32 average", device_route())
 
 
-@mpi_test(np=(1, 2, 3), skip=runnable)
-def test_in_place_and_the_other_collectives_on_the_chosen_transport():
-    in_place_and_the_other_collectives()
-
-
-@mpi_test(np=(2,), env=STAGED)
-def test_in_place_and_the_other_collectives_staged_through_host_memory():
+@mpi_test(np=(1, 2, 3), envs=ROUTES, skip=machine.runnable)
+def test_in_place_and_the_other_collectives():
     in_place_and_the_other_collectives()
 
 
@@ -184,22 +154,12 @@ def whole_pipeline():
         expect_route(kind, device_route())
 
 
-@mpi_test(np=(1,), env=PIPELINE)
-def test_one_rank_takes_the_whole_device_pipeline_on_the_chosen_transport():
-    whole_pipeline()          # NCCL where it loads: one rank has a GPU of its own
-
-
-@mpi_test(np=(1,), env=dict(MPI, **PIPELINE))
-def test_one_rank_takes_the_whole_device_pipeline_through_mpi():
-    whole_pipeline()          # CUDA-aware where the MPI library is, else staged
-
-
-@mpi_test(np=(1,), env=dict(STAGED, **PIPELINE))
-def test_one_rank_takes_the_whole_device_pipeline_staged():
+@mpi_test(np=(1,), envs=machine.ONE_RANK_PIPELINES)
+def test_one_rank_takes_the_whole_device_pipeline():
     whole_pipeline()
 
 
-@mpi_test(np=(2, 3), env=dict(STAGED, MPITRAIN_CHUNK_SIZE=str(1 << 20)))
+@mpi_test(np=(2, 3), env=machine.job_env(dict(machine.STAGED, MPITRAIN_CHUNK_SIZE=str(1 << 20))))
 def test_a_staged_allreduce_of_many_chunks_pipelines_to_the_right_sum():
     cupy = use_my_gpu()
     r, n = mt.rank(), mt.size()
@@ -214,7 +174,7 @@ def test_a_staged_allreduce_of_many_chunks_pipelines_to_the_right_sum():
     expect_route("GPU float32 sum", "staged")
 
 
-@mpi_test(np=(3,), skip=runnable)
+@mpi_test(np=(3,), envs=ROUTES, skip=machine.runnable)
 def test_a_process_set_reduces_device_buffers_among_its_members():
     cupy = use_my_gpu()
     r = mt.rank()
@@ -239,7 +199,7 @@ def test_a_process_set_reduces_device_buffers_among_its_members():
         mt.remove_process_set(outer)
 
 
-@mpi_test(np=(2,), skip=runnable)
+@mpi_test(np=(2,), envs=ROUTES, skip=machine.runnable)
 def test_cross_rank_errors_on_the_device():
     cupy = use_my_gpu()
     with pytest.raises(mt.MismatchError, match="mismatched shapes"):
@@ -250,7 +210,21 @@ def test_cross_rank_errors_on_the_device():
     expect(mt.allreduce(cupy.ones(2), op=mt.Sum), mt.size(), "sum after the errors")
 
 
-@mpi_test(np=(1, 2), skip=runnable)
+SLOW_FILL = r"""
+extern "C" __global__ void slow_fill(float* x, long long n, float value, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) x[i] = value;
+}"""
+
+
+def fill_reference(x, n, value, cycles):
+    """slow_fill, but for the wait: on the simulated device it runs only when
+    something waits for it, later than any real kernel could."""
+    x[:n] = value
+
+
+@mpi_test(np=(1, 2), envs=ROUTES, skip=machine.runnable)
 def test_an_input_freed_or_written_by_a_queued_kernel_before_synchronize():
     """The handle keeps its input alive; the engine waits for kernels queued
     before the submission. (Writing to an input after submitting it, before
@@ -260,13 +234,8 @@ def test_an_input_freed_or_written_by_a_queued_kernel_before_synchronize():
     handle = mt.allreduce_async(cupy.full(1 << 16, r + 1.0, cupy.float32), op=mt.Sum)
     gc.collect()
     expect(mt.synchronize(handle), sum(range(1, n + 1)), "sum of an input dropped at once")
-    slow_fill = cupy.RawKernel(r"""
-    extern "C" __global__ void slow_fill(float* x, long long n, float value,
-                                         long long cycles) {
-        long long start = clock64();
-        while (clock64() - start < cycles) { }
-        for (long long i = threadIdx.x; i < n; i += blockDim.x) x[i] = value;
-    }""", "slow_fill")
+    slow_fill = machine.raw_kernel(SLOW_FILL, "slow_fill", fill_reference,
+                                   (np.int64, np.float32, np.int64))
     for name, size in (("slow.small", 1000), ("slow.big", 1 << 20)):
         x = cupy.zeros(size, cupy.float32)
         slow_fill((1,), (256,), (x, np.int64(size), np.float32(r + 1), np.int64(200_000_000)))
@@ -274,7 +243,7 @@ def test_an_input_freed_or_written_by_a_queued_kernel_before_synchronize():
         expect(result, sum(range(1, n + 1)), f"{name}: sum of a slowly written input", [x])
 
 
-@mpi_test(np=(2,), skip=runnable)
+@mpi_test(np=(2,), envs=ROUTES, skip=machine.runnable)
 def test_a_device_allocation_failing_on_one_rank_fails_the_allreduce_on_every_rank():
     cupy = use_my_gpu()
     r = mt.rank()
@@ -303,13 +272,11 @@ def test_a_device_allocation_failing_on_one_rank_fails_the_allreduce_on_every_ra
 # -- PyTorch ----------------------------------------------------------------------
 
 def torch_device():
-    import torch
     use_my_gpu()
-    torch.cuda.set_device(mt.local_rank() % GPUS)
-    return torch.device("cuda", torch.cuda.current_device())
+    return machine.torch_device(mt.local_rank())
 
 
-def train(where, steps=4, **options):
+def train(where, label, steps=4, **options):
     """A model trained on rank-dependent data, after and before the broadcasts."""
     import torch
     import mpitrain.torch as hvd
@@ -323,7 +290,7 @@ def train(where, steps=4, **options):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=[(f"{where}.{n}", p) for n, p in model.named_parameters()],
+        named_parameters=[(f"{label}.{n}", p) for n, p in model.named_parameters()],
         **options)
     passes = options.get("backward_passes_per_step", 1)
     generator = torch.Generator().manual_seed(hvd.rank())
@@ -340,20 +307,22 @@ def train(where, steps=4, **options):
     return model, optimizer
 
 
-@mpi_test(np=(1, 2, 3), skip=runnable)
+@mpi_test(np=(1, 2, 3), envs=ROUTES, skip=machine.runnable)
 def test_torch_cuda_training_with_overlap_fp16_and_accumulation_matches_the_cpu():
     import mpitrain.torch as hvd
     device = torch_device()
     for options in ({"overlap": True}, {"overlap": True, "backward_passes_per_step": 2},
                     {"compression": hvd.Compression.fp16}):
-        (cpu, _), (gpu, gpu_optimizer) = [train(where, **options)
-                                          for where in ("cpu", device)]
+        with machine.host_reference():
+            cpu, _ = train("cpu", "cpu", **options)
+        gpu, gpu_optimizer = train(device, "gpu", **options)
         for (name, p), q in zip(cpu.named_parameters(), gpu.parameters()):
-            assert q.is_cuda, q.device
+            assert machine.on_gpu(q), q.device
             expect(q, p, f"{name} after training with {options}, against the CPU",
                    rtol=1e-4, atol=1e-4)
         momentum = [s["momentum_buffer"] for s in gpu_optimizer.state.values()]
-        assert momentum and all(m.is_cuda for m in momentum), [m.device for m in momentum]
+        assert momentum and all(machine.on_gpu(m) for m in momentum), \
+            [m.device for m in momentum]
         mine = [t.detach().cpu() for t in list(gpu.parameters()) + momentum]
         for rank, other in enumerate(hvd.allgather_object(mine)):
             for index, (a, b) in enumerate(zip(mine, other)):
@@ -361,7 +330,7 @@ def test_torch_cuda_training_with_overlap_fp16_and_accumulation_matches_the_cpu(
                              f"rank {rank}'s")
 
 
-@mpi_test(np=(1,))
+@mpi_test(np=(1,), envs=ROUTES)
 def test_torch_cuda_step_on_one_rank_is_the_plain_step():
     import torch
     import mpitrain.torch as hvd
@@ -389,7 +358,7 @@ def test_torch_cuda_step_on_one_rank_is_the_plain_step():
                      + (" on gradients rounded to fp16 (one-rank pipeline)" if moved else ""))
 
 
-@mpi_test(np=(1, 2, 3), skip=runnable)
+@mpi_test(np=(1, 2, 3), envs=ROUTES, skip=machine.runnable)
 def test_torch_bfloat16_cuda_tensors_reduce_in_float32_like_the_cpu():
     import torch
     import mpitrain.torch as hvd
@@ -398,14 +367,15 @@ def test_torch_bfloat16_cuda_tensors_reduce_in_float32_like_the_cpu():
     values = torch.tensor([2049.0, 0.1, 65504.0 / 8, -3.3, 1e-4]) + 0.7 * r
     for dtype in (torch.bfloat16, torch.float16):
         cpu = values.to(dtype)
-        gpu = cpu.to(device)
-        want = hvd.allreduce(cpu, op=hvd.Sum, name=f"cpu.{dtype}")
+        gpu = cpu.clone().to(device)
+        with machine.host_reference():
+            want = hvd.allreduce(cpu, op=hvd.Sum, name=f"cpu.{dtype}")
+            mean = hvd.allreduce(cpu, name=f"cpu.{dtype}.mean")
         got = hvd.allreduce(gpu, op=hvd.Sum, name=f"gpu.{dtype}")
-        assert got.dtype == dtype and got.is_cuda, (got.dtype, got.device)
+        assert got.dtype == dtype and machine.on_gpu(got), (got.dtype, got.device)
         expect(got, want, f"{dtype} sum, against the CPU's", [gpu])
         hvd.allreduce_(gpu, name=f"gpu.{dtype}.in_place")
-        expect(gpu, hvd.allreduce(cpu, name=f"cpu.{dtype}.mean"),
-               f"{dtype} in-place average, against the CPU's")
+        expect(gpu, mean, f"{dtype} in-place average, against the CPU's")
     model = torch.nn.Linear(10, 4).to(device, torch.bfloat16)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters())
@@ -416,29 +386,29 @@ def test_torch_bfloat16_cuda_tensors_reduce_in_float32_like_the_cpu():
         expect(weight, weights[0], f"bfloat16 weight of rank {rank}, against rank 0's")
 
 
-@mpi_test(np=(2, 3), skip=runnable)
+@mpi_test(np=(2, 3), envs=ROUTES, skip=machine.runnable)
 def test_torch_sync_batch_norm_on_cuda_matches_the_cpu():
     import torch
     import mpitrain.torch as hvd
     device = torch_device()
     generator = torch.Generator().manual_seed(hvd.rank())
     x = torch.randn(4, 3, 5, generator=generator)
-    outputs = {}
+    outputs = []
     for where in ("cpu", device):
-        norm = hvd.SyncBatchNorm(3).to(where)
-        inputs = x.to(where).requires_grad_()
-        out = norm(inputs)
-        out.square().sum().backward()
-        outputs[str(where)] = (out.detach().cpu(), inputs.grad.cpu(),
-                               norm.running_mean.cpu())
-    for what, cpu, gpu in zip(("output", "input gradient", "running mean"),
-                              *outputs.values()):
+        with machine.host_reference() if where == "cpu" else contextlib.nullcontext():
+            norm = hvd.SyncBatchNorm(3).to(where)
+            inputs = x.clone().to(where).requires_grad_()
+            out = norm(inputs)
+            out.square().sum().backward()
+        outputs.append((out.detach().cpu(), inputs.grad.cpu(), norm.running_mean.cpu()))
+    for what, cpu, gpu in zip(("output", "input gradient", "running mean"), *outputs):
         expect(gpu, cpu, f"SyncBatchNorm's {what}, against the CPU's", rtol=1e-5, atol=1e-5)
 
 
 # -- TensorFlow -------------------------------------------------------------------
 
-@mpi_test(np=(2,), skip=runnable)
+@mpi_test(np=(2,), env=machine.job_env(), skip=lambda nprocs, env: machine.needs_a_real_gpu(
+    "TensorFlow's GPU tensors (this TensorFlow is tensorflow-cpu)"))
 def test_tensorflow_gpu_tensors():
     tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed here")
     import mpitrain.tensorflow as hvd

@@ -25,6 +25,8 @@ from torch import nn
 
 import mpitrain as mt
 import mpitrain.torch as hvd
+from devtools import simulated_cupy
+from devtools.simulated_cupy import torch_seam
 from mpitrain.engine.execution import fusion
 from mpitrain.transport import selection
 from tests.mpi_harness import mpi_test
@@ -101,11 +103,12 @@ def transport(device):
     """How this job's tensors on ``device`` travel, for failure messages."""
     settings = ", ".join(f"{key}={value}" for key, value in sorted(os.environ.items())
                          if key.startswith("MPITRAIN_"))
-    if device.type == "cpu":
+    if device.type == "cpu" and not torch_seam.enabled():
         where = "host memory"
     else:
         engine = mt.api.basics.engine()
-        where = selection.describe(engine.device_plan, engine.cuda_aware)
+        where = (f"{simulated_cupy.describe()}: "
+                 f"{selection.describe(engine.device_plan, engine.cuda_aware)}")
     return f"{where}; ranks: {mt.size()}; {settings or 'default settings'}"
 
 
