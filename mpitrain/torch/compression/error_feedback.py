@@ -21,7 +21,9 @@ class ErrorFeedback(ErrorFeedbackSettings, GradientCompressor):
 
     def start(self, tensor, name, process_set):
         residual = self.residuals.get(name)
-        corrected = tensor if residual is None else tensor + residual
+        # A residual loaded from a checkpoint may lie on another device than the
+        # gradient (torch.load(map_location="cpu")).
+        corrected = tensor if residual is None else tensor + residual.to(tensor.device)
         return ResidualExchange(self, self.compressor.start(corrected, name, process_set),
                                 corrected, name)
 
