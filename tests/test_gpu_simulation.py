@@ -266,3 +266,40 @@ def test_cuda_aware_mpi_reads_device_memory_only_once_it_is_settled():
         MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, x)
     with pytest.raises(SimulatedCudaError, match="handed to MPI while fill.*has not run"):
         x.get()                                 # the device says why, at its next call
+
+
+# -- the kernels the references stand for ---------------------------------------------
+
+def test_every_kernel_source_has_its_pinned_reference():
+    from devtools.simulated_cupy import kernel_references, kernels as simulated
+    from mpitrain.backends import kernels
+    changed = {name: simulated.digest(kernels.source(np.dtype(name)))
+               for name, pinned in kernel_references.PINNED.items()
+               if simulated.digest(kernels.source(np.dtype(name))) != pinned}
+    assert not changed, (
+        f"mpitrain's kernels changed for {sorted(changed)}: update their numpy references "
+        "in devtools/simulated_cupy/kernel_references.py to do what the new CUDA code "
+        f"does, then pin the new hashes: {changed}")
+
+
+def test_the_kernels_compile_with_nvrtc_for_a_hopper_gpu():
+    """NVRTC needs no GPU: the sources the references stand for are CUDA that
+    compiles, with both entry points, for every wire type."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
+                                reason="CuPy is not installed here")
+    try:
+        nvrtc.getVersion()
+    except Exception as error:          # the library is a separate wheel
+        pytest.skip(f"NVRTC does not load here (pip install nvidia-cuda-nvrtc): {error}")
+    from devtools.simulated_cupy import kernel_references
+    from mpitrain.backends import kernels
+    for name in kernel_references.PINNED:
+        program = nvrtc.createProgram(kernels.source(np.dtype(name)), f"{name}.cu", [], [])
+        try:
+            nvrtc.compileProgram(program, ["--std=c++14", "-arch=compute_90"])
+        except nvrtc.NVRTCError as error:
+            pytest.fail(f"the {name} kernels do not compile: {error}\n"
+                        f"{nvrtc.getProgramLog(program)}")
+        ptx = nvrtc.getPTX(program)
+        for entry in (b".entry mpitrain_pack", b".entry mpitrain_unpack"):
+            assert entry in ptx, (name, entry)
