@@ -21,6 +21,8 @@ is set (settings.py says the values), before mpitrain first looks for CuPy.
 simulated device arrays. docs/gpu.md says what it does not model.
 """
 
+import importlib.abc
+import importlib.util
 import sys
 import types
 
@@ -33,20 +35,20 @@ __all__ = ["install", "installed", "describe", "SimulatedCudaError"]
 
 VERSION = "14.2.0+simulated"
 
-# What of CuPy the stand-in offers, by module: tests/test_gpu_simulation.py
+# What of CuPy the stand-in offers, by module: tests/test_gpu_simulation_api.py
 # checks each against the installed CuPy.
 CUPY = {
     "cupy": {"ndarray": ndarray, "__version__": VERSION, **{
         name: getattr(functions, name) for name in (
             "empty", "empty_like", "zeros", "zeros_like", "ones", "full", "full_like",
-            "arange", "asarray", "array", "ascontiguousarray", "asnumpy", "copyto",
+            "arange", "asarray", "ascontiguousarray", "asnumpy", "copyto",
             "trunc", "get_default_memory_pool")},
         "RawModule": kernels.RawModule, "RawKernel": kernels.RawKernel},
     "cupy.cuda": {"Device": streams.Device, "Stream": streams.Stream,
                   "Event": streams.Event, "get_current_stream": streams.get_current_stream,
-                  "MemoryPointer": memory.MemoryPointer, "Memory": memory.Memory},
+                  "MemoryPointer": memory.MemoryPointer},
     "cupy.cuda.memory": {"OutOfMemoryError": OutOfMemoryError,
-                         "MemoryPointer": memory.MemoryPointer, "Memory": memory.Memory},
+                         "MemoryPointer": memory.MemoryPointer},
 }
 
 
@@ -64,13 +66,29 @@ def _modules():
         module = made[name] = types.ModuleType(name, f"simulated {name} (devtools)")
         module.__dict__.update(attributes)
     cupy, cuda = made["cupy"], made["cupy.cuda"]
+    cupy.__path__ = cuda.__path__ = []          # packages, whose submodules import
     for dtype in ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64",
                   "int64", "float16", "float32", "float64", "bool_", "dtype"):
         setattr(cupy, dtype, getattr(__import__("numpy"), dtype))
     cupy.cuda = cuda
-    cuda.runtime, cuda.nccl, cuda.memory = runtime, nccl, made["cupy.cuda.memory"]
-    made["cupy.cuda.runtime"], made["cupy.cuda.nccl"] = runtime, nccl
+    cuda.runtime, cuda.memory = runtime, made["cupy.cuda.memory"]
+    made["cupy.cuda.runtime"] = runtime
     return made
+
+
+class _NcclImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """cupy.cuda.nccl on import, as CuPy has it: not after a plain ``import cupy``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "cupy.cuda.nccl" and installed() is not None:
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return nccl
+
+    def exec_module(self, module):
+        pass
 
 
 def installed():
@@ -101,4 +119,5 @@ def install(chosen=None):
     made = _modules()
     made["cupy"].simulated = chosen
     sys.modules.update(made)
+    sys.meta_path.insert(0, _NcclImport())
     return chosen

@@ -14,12 +14,27 @@ class SimulatedCudaError(RuntimeError):
     numpy reference)."""
 
 
-class CUDARuntimeError(RuntimeError):
-    """As cupy_backends.cuda.api.runtime.CUDARuntimeError."""
+_RUNTIME_ERRORS = {1: ("cudaErrorInvalidValue", "invalid argument"),
+                   2: ("cudaErrorMemoryAllocation", "out of memory"),
+                   21: ("cudaErrorInvalidMemcpyDirection", "invalid copy direction for memcpy"),
+                   101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
+                   400: ("cudaErrorInvalidResourceHandle", "invalid resource handle")}
 
-    def __init__(self, status, message):
+
+class CUDARuntimeError(RuntimeError):
+    """As cupy_backends.cuda.api.runtime.CUDARuntimeError: made from a status."""
+
+    def __init__(self, status):
         self.status = status
-        super().__init__(message)
+        name, text = _RUNTIME_ERRORS.get(status, (f"cudaError {status}", "unknown error"))
+        super().__init__(f"{name}: {text}")
+
+
+def runtime_error(status, detail):
+    """A CUDARuntimeError whose message also says what the simulation saw."""
+    error = CUDARuntimeError(status)
+    error.args = (f"{error.args[0]} ({detail})",)
+    return error
 
 
 class OutOfMemoryError(MemoryError):

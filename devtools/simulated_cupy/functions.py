@@ -13,8 +13,8 @@ def empty(shape, dtype=float, order="C"):
     return ndarray(shape, dtype)
 
 
-def empty_like(a, dtype=None):
-    return ndarray(a.shape, a.dtype if dtype is None else dtype)
+def empty_like(prototype, dtype=None):
+    return ndarray(prototype.shape, prototype.dtype if dtype is None else dtype)
 
 
 def full(shape, fill_value, dtype=None):
@@ -105,8 +105,6 @@ def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
     return array
 
 
-array = asarray
-
 
 def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     """A host copy of ``a``, queued on ``stream`` (the current one); with
@@ -125,7 +123,7 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     return host
 
 
-def trunc(x, out=None):
+def trunc(x, /, out=None):
     return elementwise(np.trunc, x, out=out)
 
 

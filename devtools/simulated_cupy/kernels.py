@@ -62,26 +62,26 @@ class Function:
     """One kernel of a module, launched as ``kernel(grid, block, args)``."""
 
     def __init__(self, name, signature, reference):
-        self.name, self._signature, self._reference = name, signature, reference
+        self._name, self._signature, self._reference = name, signature, reference
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None,
                  enable_cooperative_groups=False):
         args = tuple(args)
         if len(args) != len(self._signature):
-            raise SimulatedCudaError(f"kernel {self.name} takes {len(self._signature)} "
+            raise SimulatedCudaError(f"kernel {self._name} takes {len(self._signature)} "
                                      f"arguments, was given {len(args)}")
         for index, (arg, kind) in enumerate(zip(args, self._signature)):
             wanted = ndarray if kind == ARRAY else kind
             if type(arg) is not wanted:
                 raise SimulatedCudaError(
-                    f"kernel {self.name}'s argument {index} must be {wanted.__name__}, "
+                    f"kernel {self._name}'s argument {index} must be {wanted.__name__}, "
                     f"got {type(arg).__name__}: the kernel would read its bytes as "
                     "another type")
-        launch = Launch(self.name, [Layout(a) if isinstance(a, ndarray) else a
+        launch = Launch(self._name, [Layout(a) if isinstance(a, ndarray) else a
                                     for a in args])
         reference = self._reference
         # What the kernel touches through pointers in memory is unknown here.
-        enqueue(f"kernel {self.name}", lambda: reference(launch),
+        enqueue(f"kernel {self._name}", lambda: reference(launch),
                 [a for a in args if isinstance(a, ndarray)], stream, touches_known=False)
 
 
@@ -116,3 +116,4 @@ class RawKernel(Function):
                  *, enable_cooperative_groups=False, jitify=None):
         function = RawModule(code=code).get_function(name)
         super().__init__(name, function._signature, function._reference)
+        self.name = name

@@ -23,7 +23,8 @@ import weakref
 
 import numpy as np
 
-from devtools.simulated_cupy.errors import OutOfMemoryError, SimulatedCudaError, caller
+from devtools.simulated_cupy.errors import OutOfMemoryError, SimulatedCudaError, caller, \
+    runtime_error
 
 POISON = 0xFF
 _ROUND = 512                 # CuPy's pool rounds allocations up to this
@@ -183,12 +184,16 @@ class Pool:
         with self.scheduler.lock:
             if self.scheduler.closed:
                 return
-            block.region.freed_at = caller()
+            region, start, size = block.region, block.ptr, block.size
+            region.freed_at = caller()
             if self.quarantine:
-                block.region.fault_after_free = True
+                # Freed in stream order, as the pool hands it out: work queued
+                # on its stream before the free may still use it.
+                self.scheduler.enqueue(block.stream._queue, "quarantine of freed memory",
+                                       lambda: setattr(region, "fault_after_free", True),
+                                       [(start, size)])
                 return                         # never handed out again
-            start, size = block.ptr, block.size
-            self.scheduler.enqueue(block.stream, "poison of freed memory",
+            self.scheduler.enqueue(block.stream._queue, "poison of freed memory",
                                    lambda: _fill(start, size, POISON), [(start, size)])
             self._free.setdefault((block.stream.ptr, size), []).append(block)
             self._cached += size
@@ -209,8 +214,7 @@ class Pool:
         """cudaMalloc: a raw block outside the pool (its pages are not touched)."""
         with self.scheduler.lock:
             if self.used + nbytes > self.capacity:
-                from devtools.simulated_cupy.errors import CUDARuntimeError
-                raise CUDARuntimeError(2, "cudaErrorMemoryAllocation: out of memory")
+                raise runtime_error(2, f"{nbytes} bytes, {self.capacity - self.used} free")
             storage = np.empty(max(nbytes, 1), np.uint8)
             region = Region(storage.ctypes.data, nbytes, DEVICE, self.device, storage)
             self.registry.add(region)
@@ -221,9 +225,7 @@ class Pool:
         with self.scheduler.lock:
             region = self.registry.at(ptr)
             if region is None or region.kind != DEVICE:
-                from devtools.simulated_cupy.errors import CUDARuntimeError
-                raise CUDARuntimeError(1, f"cudaErrorInvalidValue: {ptr:#x} was not "
-                                          "returned by cudaMalloc")
+                raise runtime_error(1, f"{ptr:#x} was not returned by cudaMalloc")
             self.scheduler.run_everything()
             self.registry.remove(region)
             self.used -= region.size

@@ -109,7 +109,7 @@ class NcclCommunicator:
             raise NcclError(f"ncclInvalidArgument: datatype {datatype}, op {op}")
         dtype = np.dtype(_TYPES[datatype])
         scheduler = simulation.state().scheduler
-        queue_ = stream_of(stream)
+        queue_ = stream_of(stream)._queue
         job, position = scheduler.enqueue_job(queue_, f"NCCL allReduce of {count} "
                                                       f"{dtype}")
         job.touches = [(sendbuf, count * dtype.itemsize), (recvbuf, count * dtype.itemsize)]

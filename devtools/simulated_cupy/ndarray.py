@@ -53,8 +53,8 @@ def enqueue(label, run, arrays, stream=None, touches_known=True):
             raise ValueError(f"{label}: the array is on GPU {array.device.id}, but the "
                              f"current device is GPU {current_device()}")
     touches = [Layout(a).touch for a in arrays] if touches_known else None
-    simulation.state().scheduler.enqueue(current_stream() if stream is None else stream,
-                                         label, run, touches)
+    stream = current_stream() if stream is None else stream
+    simulation.state().scheduler.enqueue(stream._queue, label, run, touches)
 
 
 class _Flags:
@@ -137,7 +137,7 @@ class ndarray:
 
     # -- host code cannot read it ----------------------------------------------------
 
-    def __array__(self, *args, **kwargs):
+    def __array__(self, dtype=None):
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
                         "`.get()` to construct a NumPy array explicitly. (simulated "
                         "device memory reached host code)")

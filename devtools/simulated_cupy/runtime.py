@@ -3,7 +3,7 @@
 import ctypes
 
 from devtools.simulated_cupy import simulation
-from devtools.simulated_cupy.errors import CUDARuntimeError
+from devtools.simulated_cupy.errors import CUDARuntimeError, runtime_error
 from devtools.simulated_cupy.memory import DEVICE, EXTERNAL, PINNED, host_view
 from devtools.simulated_cupy.streams import current_device, stream_of
 
@@ -58,7 +58,7 @@ def memcpyAsync(dst, src, size, kind, stream):
     counts on it overlapping is wrong.
     """
     if kind not in _SIDES:
-        raise CUDARuntimeError(21, f"cudaErrorInvalidMemcpyDirection: {kind}")
+        raise runtime_error(21, f"kind {kind}")
     if size == 0:
         return
     state = simulation.state()
@@ -77,5 +77,5 @@ def memcpyAsync(dst, src, size, kind, stream):
                                      (src, from_kinds, "source")):
             host_view(registry, address, (size,), (1,), "u1", kinds,
                       f"memcpyAsync's {side}")
-    state.scheduler.enqueue(stream_of(stream), f"memcpyAsync of {size} bytes",
+    state.scheduler.enqueue(stream_of(stream)._queue, f"memcpyAsync of {size} bytes",
                             copy, [(dst, size), (src, size)])

@@ -7,8 +7,9 @@ The value is a schedule, then options, separated by commas:
 - ``random:SEED``: the same, but each wait also runs other streams' runnable
   work in an order drawn from SEED (and the rank), as a GPU runs its streams
   side by side;
-- ``quarantine``: freed device memory is never handed out again; a queued
-  operation that touches it raises "use after free (freed at FILE:LINE)";
+- ``quarantine``: freed device memory is never handed out again; an
+  operation that touches it after the free took effect in its stream's order
+  raises "use after free (freed at FILE:LINE)";
 - ``shared``: every rank of a host sees the same one GPU (same PCI bus id);
   by default each rank has a GPU of its own;
 - ``cuda-aware-mpi``: MPI may read device memory (arrays then offer

@@ -4,7 +4,7 @@ of its streams, the registry of its memory, one pool per GPU."""
 import atexit
 
 from devtools.simulated_cupy import settings as settings_module
-from devtools.simulated_cupy.errors import CUDARuntimeError, SimulatedCudaError
+from devtools.simulated_cupy.errors import SimulatedCudaError, runtime_error
 from devtools.simulated_cupy.memory import Pool, Registry
 from devtools.simulated_cupy.scheduler import Scheduler
 
@@ -23,9 +23,8 @@ class Simulation:
 
     def check_device(self, device):
         if not 0 <= device < self.device_count:
-            raise CUDARuntimeError(101, f"cudaErrorInvalidDevice: invalid device ordinal "
-                                        f"{device} (the simulated host has "
-                                        f"{self.device_count} GPU)")
+            raise runtime_error(101, f"device {device}; the simulated host has "
+                                     f"{self.device_count} GPU")
 
     def pool(self, device):
         self.check_device(device)

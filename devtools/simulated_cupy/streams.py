@@ -6,7 +6,7 @@ import threading
 import weakref
 
 from devtools.simulated_cupy import simulation
-from devtools.simulated_cupy.errors import CUDARuntimeError
+from devtools.simulated_cupy.errors import runtime_error
 from devtools.simulated_cupy.scheduler import Queue
 
 _local = threading.local()
@@ -35,8 +35,7 @@ def stream_of(ptr):
         return Stream.null
     stream = _by_ptr.get(ptr)
     if stream is None:
-        raise CUDARuntimeError(400, f"cudaErrorInvalidResourceHandle: {ptr:#x} is no "
-                                    "stream of the simulated device")
+        raise runtime_error(400, f"{ptr:#x} is no stream of the simulated device")
     return stream
 
 
@@ -73,14 +72,11 @@ class Device:
     def __eq__(self, other):
         return isinstance(other, Device) and other.id == self.id
 
-    def __hash__(self):
-        return hash(self.id)
-
     def __repr__(self):
         return f"<CUDA Device {self.id} (simulated)>"
 
 
-class Stream(Queue):
+class Stream:
     """A queue of device work; ``with stream:`` makes it current in this thread."""
 
     null = None          # set below: the legacy default stream
@@ -88,8 +84,7 @@ class Stream(Queue):
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
         self.ptr = 0 if null else next(_handles)
         self.device_id = current_device()
-        self.non_blocking = non_blocking
-        super().__init__("the null stream" if null else f"stream {self.ptr:#x}")
+        self._queue = Queue("the null stream" if null else f"stream {self.ptr:#x}")
         if not null:
             _by_ptr[self.ptr] = self
 
@@ -106,11 +101,12 @@ class Stream(Queue):
         return self
 
     def synchronize(self):
-        simulation.state().scheduler.wait_for(self, self.queued)
+        simulation.state().scheduler.wait_for(self._queue, self._queue.queued)
 
     def wait_event(self, event):
-        if event.stream is not None:
-            simulation.state().scheduler.enqueue_wait(self, event.stream, event.position)
+        if event._queue is not None:
+            simulation.state().scheduler.enqueue_wait(self._queue, event._queue,
+                                                      event._position)
 
     def record(self, event=None):
         event = Event() if event is None else event
@@ -119,10 +115,10 @@ class Stream(Queue):
 
     @property
     def done(self):
-        return simulation.state().scheduler.progress(self, self.queued)
+        return simulation.state().scheduler.progress(self._queue, self._queue.queued)
 
     def __repr__(self):
-        return f"<simulated {self.name}>"
+        return f"<simulated {self._queue.name}>"
 
 
 Stream.null = Stream(null=True)
@@ -133,23 +129,23 @@ class Event:
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self.ptr = next(_handles)
-        self.stream = None           # where it was last recorded
-        self.position = 0
+        self._queue = None           # where it was last recorded
+        self._position = 0
 
     def record(self, stream=None):
         stream = current_stream() if stream is None else stream
         with simulation.state().scheduler.lock:
-            self.stream, self.position = stream, stream.queued
+            self._queue, self._position = stream._queue, stream._queue.queued
 
     def synchronize(self):
-        if self.stream is not None:
-            simulation.state().scheduler.wait_for(self.stream, self.position)
+        if self._queue is not None:
+            simulation.state().scheduler.wait_for(self._queue, self._position)
 
     @property
     def done(self):
-        if self.stream is None:
+        if self._queue is None:
             return True
-        return simulation.state().scheduler.progress(self.stream, self.position)
+        return simulation.state().scheduler.progress(self._queue, self._position)
 
 
 def get_current_stream(device_id=-1):
