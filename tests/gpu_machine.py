@@ -1,8 +1,8 @@
 """Which GPU the GPU tests run on, and the environments of their jobs.
 
 Where CuPy finds a CUDA device, the GPU tests run on it, on the transport the
-machine gives (shared/gpu/on-device.sh runs them once per MPI library), and
-staged and over NCCL besides. Everywhere else they run on the simulated CUDA
+environment and the MPI library give (shared/gpu/on-device.sh runs them once
+per transport: staged, CUDA-aware Open MPI, NCCL). Everywhere else they run on the simulated CUDA
 device (devtools/simulated_cupy), under MPITRAIN_TEST_SIMULATED_GPU
 (``random:0`` unless it is set), once on each route a device buffer can
 take: staged through host memory, CUDA-aware MPI (simulated: MPI reads the
@@ -55,8 +55,8 @@ if SIMULATION is not None:
     ROUTES = {"staged": job_env(STAGED), "cuda-aware": job_env(CUDA_AWARE,
                                                                  cuda_aware_mpi=True),
               "nccl": job_env(NCCL)}
-else:
-    ROUTES = {"chosen": {}, "staged": STAGED, "nccl": NCCL}
+else:                  # the transport the environment and the MPI library give
+    ROUTES = {"chosen": {}}
 ONE_RANK_PIPELINES = {route: dict(env, **PIPELINE) for route, env in ROUTES.items()}
 
 
