@@ -2,8 +2,9 @@
 
 Where CuPy finds a CUDA device, the GPU tests run on it, on the transport the
 environment and the MPI library give (shared/gpu/on-device.sh runs them once
-per transport: staged, CUDA-aware Open MPI, NCCL). Everywhere else they run on the simulated CUDA
-device (devtools/simulated_cupy), under MPITRAIN_TEST_SIMULATED_GPU
+per transport: staged, CUDA-aware Open MPI, NCCL), and the one-rank pipeline
+on each route. Everywhere else they run on the simulated CUDA device
+(devtools/simulated_cupy), under MPITRAIN_TEST_SIMULATED_GPU
 (``random:0`` unless it is set), once on each route a device buffer can
 take: staged through host memory, CUDA-aware MPI (simulated: MPI reads the
 device memory), and NCCL (over MPI), each rank with a GPU of its own.
@@ -55,9 +56,14 @@ if SIMULATION is not None:
     ROUTES = {"staged": job_env(STAGED), "cuda-aware": job_env(CUDA_AWARE,
                                                                  cuda_aware_mpi=True),
               "nccl": job_env(NCCL)}
+    PIPELINE_ROUTES = ROUTES
 else:                  # the transport the environment and the MPI library give
     ROUTES = {"chosen": {}}
-ONE_RANK_PIPELINES = {route: dict(env, **PIPELINE) for route, env in ROUTES.items()}
+    # One GPU takes every route with one rank: NCCL where it loads; MPI,
+    # CUDA-aware where the library is; staged.
+    PIPELINE_ROUTES = {"chosen": {}, "mpi": {"MPITRAIN_GPU_OPERATIONS": "mpi"},
+                       "staged": STAGED}
+ONE_RANK_PIPELINES = {route: dict(env, **PIPELINE) for route, env in PIPELINE_ROUTES.items()}
 
 
 def simulated_in(env):

@@ -1,13 +1,13 @@
 """The GPU path: CuPy arrays, torch CUDA tensors, TensorFlow GPU tensors.
 
-On a GPU machine these run on its GPUs, on the transport the job chooses
-(run them once per transport: a CUDA-aware MPI, a plain one), staged
-through host memory and over NCCL; ranks share the machine's GPUs
+On a GPU machine these run on its GPUs, on the transport the environment and
+the MPI library give (run them once per transport: shared/gpu/on-device.sh
+runs staged, CUDA-aware Open MPI and NCCL); ranks share the machine's GPUs
 round-robin by local rank, and NCCL, which needs a GPU for each rank, skips
 where there are fewer GPUs than ranks, so one-rank jobs with
-MPITRAIN_TEST_ONE_RANK_PIPELINE=1 run NCCL's whole path on a machine with
-one GPU (and every other device route). Everywhere else they run on the
-simulated CUDA device, on each of the three routes (tests/gpu_machine.py).
+MPITRAIN_TEST_ONE_RANK_PIPELINE=1 run each route's whole path (NCCL's too) on
+a machine with one GPU. Everywhere else they run on the simulated CUDA
+device, on each of the three routes (tests/gpu_machine.py).
 A failure says the device, the transport, the routes taken, the arrays'
 layouts and the first wrong values (tests/gpu_report.py).
 """
@@ -70,6 +70,10 @@ def fused_alone_and_16_bit():
     handles.append(mt.allreduce_async(brain, name="brain", op=mt.Sum))
     handles.append(mt.allreduce_async(cupy.full(7, r, cupy.int32), name="int", op=mt.Max))
     handles.append(mt.allreduce_async(cupy.full(6, 100, cupy.int8), name="int8.average"))
+    # The mean of sevens is 7 when divided once, after the sum; on 3 ranks, three
+    # float32(7 / 3) add up to 7.0000005.
+    handles += [mt.allreduce_async(cupy.full(9 + i, 7.0, cupy.float32), name=f"sevens.{i}")
+                for i in range(2)]
     results = [mt.synchronize(h) for h in handles]
     for i, result in enumerate(results[:20]):
         assert isinstance(result, cupy.ndarray) and result is not small[i], type(result)
@@ -82,6 +86,8 @@ def fused_alone_and_16_bit():
     expect(results[23], n - 1, "int32 max")
     assert results[24].dtype == cupy.int8, results[24].dtype
     expect(results[24], 100, "int8 average, summed in int64")
+    for result in results[25:27]:
+        expect(result, 7.0, "float32 average of sevens, fused: divided after the sum")
     expect(small[0], r, "the input of an out-of-place allreduce (unchanged)")
     expect_route("GPU float32 average", device_route())
 

@@ -18,7 +18,6 @@ import ml_dtypes
 import numpy as np
 
 from devtools.simulated_cupy import simulation
-from devtools.simulated_cupy.errors import SimulatedCudaError
 from devtools.simulated_cupy.memory import DEVICE, EXTERNAL, MemoryPointer, extent, \
     host_view
 from devtools.simulated_cupy.streams import Device, current_device, current_stream
