@@ -29,7 +29,12 @@ def add_process_set(process_set):
 
 
 def remove_process_set(process_set):
-    """Unregister a process set on every rank; its pending operations fail."""
+    """Unregister a process set on every rank.
+
+    Its operations still in flight fail on every member that submitted them,
+    except those whose data already moves, which finish; synchronize them
+    first to have every result.
+    """
     running = basics.engine()
     sets = basics.registered_sets()
     set_id = process_set.process_set_id

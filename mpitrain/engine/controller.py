@@ -119,6 +119,8 @@ class SetController:
         self._plans = {}              # (ready slots, cache generation) -> fusion plan
         self.joined = False
         self.any_joined = False
+        self.removed = False          # by remove_process_set: the next round is the last
+        self.retired = False          # that round has ended: MPI is done with the set
         self.numbering = naming.Numbering(set_id)   # of unnamed calls, under engine.lock
         self.coroutine = None
         self.waiting_on = ()
@@ -135,7 +137,7 @@ class SetController:
     # -- called by the engine thread ---------------------------------------
 
     def has_work(self):
-        return bool(self.incoming or self.pending
+        return bool(self.incoming or self.pending or self.removed
                     or (self.channel.blocking and self.links.stop_requested()))
 
     def next_start(self):
@@ -198,7 +200,8 @@ class SetController:
         self.unfinished = len(self.waiting_on)
         self.wait_started = self.moved = time.monotonic()
 
-    def fail_all(self, error):
+    def fail_all(self, error_of):
+        """Fail every entry this rank holds with error_of(entry)."""
         while True:
             with self.links.lock:
                 entries = list(self.pending.values()) + self.incoming
@@ -207,7 +210,7 @@ class SetController:
             if not entries:
                 return
             for entry in entries:
-                self._fail(entry, error)
+                self._fail(entry, error_of(entry))
             self._complete()      # promotes successors, failed on the next pass
 
     # -- one round -----------------------------------------------------------
@@ -225,7 +228,8 @@ class SetController:
            found invalid, those some rank really submitted. In steady state
            this one small allreduce is the whole negotiation.
         3. A shutdown flag ends the round on every rank together
-           (EngineStopped). Otherwise the groups to run are the cached ones
+           (EngineStopped); a removal flag ends a removed set's last round,
+           failing what is in flight on every member (_retire). Otherwise the groups to run are the cached ones
            ready everywhere and submitted somewhere (a joined rank is ready
            for every allreduce but submits none), their fusion plan kept
            (_cached_plan); invalid slots leave every rank's cache.
@@ -271,6 +275,8 @@ class SetController:
             status |= control_vector.UNCACHED
         if self.channel.blocking and links.stop_requested():
             status |= control_vector.SHUTDOWN
+        if self.removed:
+            status |= control_vector.REMOVED
         nbits = self.cache.nbits
         vector = control_vector.encode(status, ready, invalid, submitted, nbits)
         self.channel.activity = ROUND
@@ -280,6 +286,9 @@ class SetController:
         if status & control_vector.SHUTDOWN:
             reason = yield from links.agree_to_stop(self.channel)
             raise EngineStopped(reason)
+        if status & control_vector.REMOVED:
+            self._retire()
+            return
         self.any_joined = bool(status & control_vector.JOINED)
         groups = self._cached_plan(ready & submitted)
         for slot in control_vector.bits(invalid):
@@ -309,6 +318,17 @@ class SetController:
                 reduced = [g for g in groups if g.nbytes]      # allreduces only
                 self.tuner.observe([n for g in reduced for n in g.names],
                                    sum(g.nbytes for g in reduced), time.monotonic())
+
+    def _retire(self):
+        """End the removed set's last round. Rounds before it ran the same
+        groups on every member, and none runs in it: what is still in flight
+        fails alike on every member."""
+        members = self.rank_names.members
+        self.fail_all(lambda entry: MpitrainInternalError(
+            f"{entry.kind.label} of '{entry.name}' failed: {members} was removed while "
+            "it was in flight: synchronize the operations of a process set before "
+            "remove_process_set"))
+        self.retired = True
 
     def _apply_parameters(self, responses):
         """Switch to autotune's settings, on every rank in the same round."""

@@ -46,6 +46,7 @@ class Engine:
         self.lock = threading.Condition(self._mutex)
         self.timeline = TimelineHolder()
         self.controllers = {}          # process set id -> SetController (member sets)
+        self.retiring = []             # removed sets' controllers, until their last round
         self.set_ranks = {}            # process set id -> ranks, for every registered set
         self.stop_requested = False
         self.stop_reason = None        # why this rank asked to stop
@@ -100,6 +101,8 @@ class Engine:
         with self._mutex:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
+            if controller.removed:
+                raise _removed(controller)
             conflict = submission.accept(controller, entry)
             if self._sleeping:
                 self._sleeping = False       # one wake-up is enough for a burst
@@ -112,6 +115,8 @@ class Engine:
         with self.lock:
             if self.stopped:
                 raise ShutdownError(self.stopped_reason)
+            if controller.removed:
+                raise _removed(controller)
             conflict = submission.accept_many(controller, entries)
             if self._sleeping:
                 self._sleeping = False
@@ -123,6 +128,10 @@ class Engine:
         if self.stopped:
             raise ShutdownError(self.stopped_reason)
         return self.controllers.get(set_id)     # changed only under self.lock
+
+    def running(self):
+        """The controllers whose rounds the engine thread advances."""
+        return list(self.controllers.values()) + self.retiring
 
     def request_stop(self, reason):
         with self.lock:
@@ -170,9 +179,12 @@ class Engine:
                     raise EngineStopped(self._failure)
                 now = time.monotonic()
                 self.watch.working = True
-                for controller in list(self.controllers.values()):
+                for controller in self.running():
                     controller.advance(now)
                     self._check_responsive(controller, now)
+                    if controller.retired:
+                        self.retiring.remove(controller)
+                        controller.channel.comm.Free()
                 self.watch.working = False
                 timeline = self.timeline.current
                 if timeline is not None:
@@ -196,7 +208,7 @@ class Engine:
 
     def _sleep_time(self, now):
         delay = float("inf")
-        for controller in self.controllers.values():
+        for controller in self.running():
             if controller.coroutine is not None:
                 waited = now - controller.wait_started
                 delay = min(delay, max(_POLL_MIN, min(_POLL_MAX, 0.1 * waited)))
@@ -235,8 +247,8 @@ class Engine:
             self.stopped = True
             self.stopped_reason = reason or "mpitrain has been shut down"
         error = ShutdownError(self.stopped_reason)
-        for controller in list(self.controllers.values()):
-            controller.fail_all(error)
+        for controller in self.running():
+            controller.fail_all(lambda entry: error)
         notify_waiters()
         self.set_timeline(None)
         self.watch.stop()
@@ -253,10 +265,18 @@ class Engine:
         with self.lock:
             controller = self.controllers.pop(set_id, None)
             del self.set_ranks[set_id]
-        if controller is not None:
-            controller.fail_all(ShutdownError(f"process set {set_id} was removed"))
-            controller.channel.comm.Free()
+            if controller is not None:
+                # Its round may be under way, its peers' too: it runs one
+                # more, its last, before the communicator is freed.
+                controller.removed = True
+                self.retiring.append(controller)
         return set_id
+
+
+def _removed(controller):
+    """A submission that raced with the removal of its set, from another thread."""
+    return ValueError(f"{controller.rank_names.members} was removed by "
+                      "remove_process_set; add a process set again to use its ranks")
 
 
 def create_communicator(comm, ranks):

@@ -234,8 +234,7 @@ class Watch:
         now = time.monotonic()
         with self._lock:
             inside, since = self._inside, self._since
-        busy = [c for c in list(self.engine.controllers.values())
-                if c.coroutine is not None]
+        busy = [c for c in self.engine.running() if c.coroutine is not None]
         transferring = float(any(c.channel.activity != ROUND for c in busy))
         if inside is not None:
             return now - since, float(not inside.endswith(ROUND)), inside

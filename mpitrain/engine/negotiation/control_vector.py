@@ -10,6 +10,7 @@ import numpy as np
 SHUTDOWN = 1      # some rank is shutting down its engine
 UNCACHED = 2      # some rank has requests the cache cannot serve
 JOINED = 4        # some rank has joined
+REMOVED = 8       # some member knows the set was removed: this round is its last
 
 _STATUS_MASK = (1 << 64) - 1
 
