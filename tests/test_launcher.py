@@ -279,9 +279,25 @@ def test_network_interface_gives_mpi_and_nccl_those_interfaces(capsys):
     assert "NCCL_SOCKET_IFNAME=eth1,ib0 " in line and "-x NCCL_SOCKET_IFNAME" in line
 
 
-def test_more_ranks_than_cores_runs_with_a_warning():
+def discovery_script(folder, *lines):
+    """A host discovery script that prints ``lines``."""
+    script = folder / "hosts.sh"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo {line}\n" for line in lines))
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("hosts", ["-np", "-H", "-H twice", "elastic"])
+def test_more_ranks_than_cores_runs_with_a_warning(hosts, tmp_path):
+    """However the slots are given: Open MPI must not try to bind each rank
+    to a core of its own."""
     nprocs = cores() + 1
-    job = launch(["-np", str(nprocs), sys.executable, "-c",
+    given = {"-np": [],
+             "-H": ["-H", f"localhost:{nprocs}"],
+             "-H twice": ["-H", f"localhost:{nprocs - 1},localhost:1"],
+             "elastic": ["--host-discovery-script",
+                         discovery_script(tmp_path, f"localhost:{nprocs}")]}[hosts]
+    job = launch(["-np", str(nprocs), *given, sys.executable, "-c",
                   "import mpitrain as mt; mt.init(); print('size', mt.size())"])
     assert job.returncode == 0, job.stderr
     assert sorted(job.stdout.splitlines()) == [f"[1,{rank}]<stdout>: size {nprocs}"

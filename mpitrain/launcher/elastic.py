@@ -135,7 +135,7 @@ class Supervisor:
         line, env = self.command(layout, self.args.command)
         local = all_on_this_machine(list(layout.items()))
         if not self.restarts:
-            warn_before_start(env, self.environ, local, size)
+            warn_before_start(env, self.environ, list(layout.items()), size)
         if self.args.verbose:
             say(shown(line, env, self.environ))
         self.lines.start_run(self.restarts)

@@ -5,7 +5,8 @@ mpirun gets (job_environment in mpirun_command.py), whether the program is
 checked before the job (program.py), and whether the ranks can write their
 reports into a folder of this machine (run.py). The elastic host discovery
 reads its script's lines as -H's (discovery.py); cores() counts this
-machine's slots as Open MPI does.
+machine's slots as Open MPI does, and shares_cores() says whether the ranks
+must share them (mpitrainrun warns, and tells Open MPI).
 """
 
 import os
@@ -69,3 +70,9 @@ def cores():
         except OSError:
             return len(cpus)
     return len(siblings)
+
+
+def shares_cores(hosts, nprocs):
+    """Whether all ``nprocs`` ranks run on this machine, more of them than it
+    has cores. Other hosts' cores are not known here."""
+    return all_on_this_machine(hosts) and nprocs > cores()

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-from mpitrain.launcher.hosts import all_on_this_machine, cores
+from mpitrain.launcher.hosts import all_on_this_machine, cores, shares_cores
 
 # The flag that prefixes every line of a rank's output with its rank.
 TAG_OUTPUT = {"openmpi": ["--tag-output"], "mpich": ["-prepend-rank"]}
@@ -107,7 +107,9 @@ def mpirun_command(mpirun, flavor, args, hosts, env):
     if hosts:
         spec = ",".join(f"{host}:{slots}" for host, slots in hosts)
         line += ["--host", spec] if flavor == "openmpi" else ["-hosts", spec]
-    elif flavor == "openmpi" and args.nprocs > cores():
+    if flavor == "openmpi" and shares_cores(hosts, args.nprocs):
+        # Else Open MPI binds each rank to a core of its own, and refuses to
+        # start, even where -H gives the slots.
         line.append("--oversubscribe")
     if not all_on_this_machine(hosts):
         # Remote ranks do not inherit this shell's environment; PATH, led by

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 from mpitrain.launcher import endings, output, quiet
-from mpitrain.launcher.hosts import cores
+from mpitrain.launcher.hosts import cores, shares_cores
 from mpitrain.runtime import launch_report
 
 # What mpitrainrun passes on to mpirun, which ends the job on either; Ctrl-C
@@ -84,12 +84,12 @@ def wait_unless(process, abandon):
     return process.wait()
 
 
-def warn_before_start(env, environ, local, nprocs):
+def warn_before_start(env, environ, hosts, nprocs):
     """What the user should know before the ranks start: that mpitrainrun
     let Open MPI run as root, and that the ranks share cores."""
     if env.get("OMPI_ALLOW_RUN_AS_ROOT") != environ.get("OMPI_ALLOW_RUN_AS_ROOT"):
         warn("running as root: allowing Open MPI to start (OMPI_ALLOW_RUN_AS_ROOT=1)")
-    if local and nprocs > cores():
+    if shares_cores(hosts, nprocs):
         warn(f"{nprocs} ranks on {cores()} cores: oversubscribing, so "
              "ranks share cores and each runs slower")
 

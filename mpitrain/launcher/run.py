@@ -85,7 +85,7 @@ def main(argv=None, environ=None):
     if args.dry_run:
         print(shown(line, env, environ))
         return 0
-    warn_before_start(env, environ, local, args.nprocs)
+    warn_before_start(env, environ, hosts, args.nprocs)
     if args.verbose:
         warn(f"{flavor} launcher {mpirun}")
         warn(shown(line, env, environ))
