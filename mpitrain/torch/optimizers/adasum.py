@@ -18,16 +18,15 @@ from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.ops import allreduce_async_
-from mpitrain.torch.optimizers.parameter_names import parameter_names
 from mpitrain.torch.wrapping import rewrapped
 
 
 class _AdasumOptimizer:
     """Mixed in before the wrapped optimizer's class; see adasum_optimizer."""
 
-    def _start_adasum(self, named_parameters, compression, process_set):
+    def _start_adasum(self, names, compression, process_set):
         self._process_set = process_set
-        self._names = parameter_names(self.param_groups, named_parameters)
+        self._names = names
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
         problem = None
@@ -103,20 +102,18 @@ class _AdasumOptimizer:
 _AdasumOptimizer.step.hooked = True
 
 
-def adasum_optimizer(optimizer, named_parameters=None, compression=Compression.none,
-                     gradient_predivide_factor=1.0, process_set=global_process_set):
-    """``optimizer`` wrapped to combine its steps across ranks with Adasum.
+def adasum_optimizer(optimizer, names, compression=Compression.none,
+                     process_set=global_process_set):
+    """``optimizer`` wrapped to combine its steps across ranks with Adasum;
+    ``names``: each parameter's (parameter_names).
 
-    Called by DistributedOptimizer(op=Adasum), whose other arguments do not
-    apply: gradients accumulate locally in p.grad until step() whatever
-    backward_passes_per_step says, the engine fuses the deltas without
-    groups, and the deltas are dense.
+    Called by DistributedOptimizer(op=Adasum), which has checked the options
+    that apply; the others do not: gradients accumulate locally in p.grad
+    until step() whatever backward_passes_per_step says, the engine fuses the
+    deltas without groups, and the deltas are dense.
     """
     if isinstance(optimizer, _AdasumOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    if gradient_predivide_factor != 1.0:
-        raise ValueError("gradient_predivide_factor is supported only with op=Average, "
-                         "not op=Adasum")
     distributed = rewrapped(optimizer, _AdasumOptimizer)
-    distributed._start_adasum(named_parameters, compression, process_set)
+    distributed._start_adasum(names, compression, process_set)
     return distributed

@@ -12,11 +12,12 @@ import contextlib
 import warnings
 
 from mpitrain.api import engine_sizes
+from mpitrain.api.agreement import require_same
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.ops import Adasum, Average, Sum, resolve_op
 from mpitrain.torch.compression import Compression, choice
 from mpitrain.torch.optimizers.adasum import adasum_optimizer
-from mpitrain.torch.optimizers.parameter_names import parameter_names
+from mpitrain.torch.optimizers.parameter_names import groups_setting, parameter_names
 from mpitrain.torch.optimizers.reducer import Reducer, gradient_of
 from mpitrain.torch.wrapping import rewrapped
 
@@ -24,11 +25,11 @@ from mpitrain.torch.wrapping import rewrapped
 class _DistributedOptimizer(Reducer):
     """Mixed in before the wrapped optimizer's class; see DistributedOptimizer."""
 
-    def _start_distributing(self, named_parameters, compression,
+    def _start_distributing(self, names, compression,
                             backward_passes_per_step, op, gradient_predivide_factor,
                             groups, sparse_as_dense, process_set, overlap):
         self._process_set = process_set
-        self._names = parameter_names(self.param_groups, named_parameters)
+        self._names = names
         self._trained = [p for group in self.param_groups for p in group["params"]
                          if p.requires_grad]
         # Parameters whose compressor moves them itself travel alone.
@@ -209,26 +210,85 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         all of them in step() (False). None chooses: overlap where the
         gradients are on a GPU or the process has a core more than torch's
         threads, since on a shared core overlapping is slower.
+
+    Every rank of the set freezes the same parameters and passes the same
+    op, gradient_predivide_factor, groups, sparse_as_dense and compression;
+    otherwise each raises a MismatchError naming them.
     """
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("the optimizer is already a DistributedOptimizer")
-    op = resolve_op(op, None)
-    if op == Adasum:
-        return adasum_optimizer(optimizer, named_parameters, compression,
-                                gradient_predivide_factor, process_set)
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor is supported only with op=Average")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
-                         f"{backward_passes_per_step!r}")
     if num_groups:
         warnings.warn("num_groups is deprecated; pass groups=", DeprecationWarning,
                       stacklevel=2)
         if groups is None:
             groups = num_groups
+    names, op = _agreed_options(optimizer.param_groups, named_parameters, op,
+                                gradient_predivide_factor, backward_passes_per_step,
+                                groups, sparse_as_dense, process_set)
+    if op == Adasum:
+        return adasum_optimizer(optimizer, names, compression, process_set)
     distributed = rewrapped(optimizer, _DistributedOptimizer)
-    distributed._start_distributing(named_parameters, compression,
+    distributed._start_distributing(names, compression,
                                     backward_passes_per_step, op,
                                     gradient_predivide_factor, groups,
                                     sparse_as_dense, process_set, overlap)
     return distributed
+
+
+def _agreed_options(param_groups, named_parameters, op, gradient_predivide_factor,
+                    backward_passes_per_step, groups, sparse_as_dense, process_set):
+    """(the parameters' names, the op), once every rank of ``process_set``
+    passed options that agree (see _settings).
+
+    Otherwise a MismatchError on every rank naming the first that differs,
+    or, where a rank refused its own options, that error there and one
+    naming that rank on the others: ranks built otherwise take other paths
+    through a step (Adasum's exchange in step(), grouped calls, sparse
+    gathers) and waited for each other until the stall shutdown.
+    """
+    names, settings, labels, problem = {}, {}, {}, None
+    try:
+        names = parameter_names(param_groups, named_parameters)
+        op = resolve_op(op, None)
+        settings, labels = _settings(param_groups, names, op, gradient_predivide_factor,
+                                     backward_passes_per_step, groups, sparse_as_dense)
+    except (TypeError, ValueError) as error:
+        problem = error
+    if process_set.included():
+        require_same("DistributedOptimizer", settings, "DistributedOptimizer.options",
+                     process_set, problem, labels, absent="no")
+    elif problem:
+        raise problem
+    return names, op
+
+
+def _settings(param_groups, names, op, gradient_predivide_factor,
+              backward_passes_per_step, groups, sparse_as_dense):
+    """({key: what every rank must pass}, {key: how a message names it});
+    ValueError for an option refused on its own.
+
+    backward_passes_per_step and overlap may differ: step() sends every
+    gradient the hooks have not sent, so every rank sends each gradient
+    once a step whatever they say (a rank that accumulates more passes
+    sends their sum, as after no_sync()). The compressors are compared
+    next, per trained parameter (choice.agreed_split); buckets follow rank
+    0's plan; the process set is where the comparison runs.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor is supported only with op=Average, "
+                         f"not op={op.name.capitalize()}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be a whole number >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    # The frozen only: the compressors' comparison names a parameter some ranks lack.
+    frozen = [names[p] for group in param_groups for p in group["params"]
+              if not p.requires_grad]
+    settings = {("frozen", name): "yes" for name in frozen}
+    labels = {("frozen", name): f"whether '{name}' is frozen (requires_grad=False)"
+              for name in frozen}
+    settings.update(op=op.name.capitalize(),
+                    gradient_predivide_factor=float(gradient_predivide_factor))
+    if op != Adasum:       # Adasum's changes travel ungrouped and dense
+        settings.update(groups=groups_setting(groups, names),
+                        sparse_as_dense=bool(sparse_as_dense))
+    return settings, labels

@@ -37,10 +37,12 @@ def parameter_names(param_groups, named_parameters):
     return names
 
 
-def form_groups(trained, groups, names, process_set):
-    """Map each grouped parameter to its group (a tuple reduced in one call)."""
+def groups_setting(groups, names):
+    """``groups`` as the ranks compare it: None, a count, or each group's
+    names (of the optimizer's parameters); ValueError where form_groups
+    cannot take it."""
     if groups is None:
-        return {}
+        return None
     if isinstance(groups, list):
         grouped = set()
         for group in groups:
@@ -51,22 +53,30 @@ def form_groups(trained, groups, names, process_set):
                 if p in grouped:
                     raise ValueError(f"'{names.get(p)}' appears in more than one group")
                 grouped.add(p)
+        return [[names[p] for p in group if p in names] for group in groups]
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError("groups must be a positive number of groups or a list "
+                         f"of lists of parameters, got {groups!r}")
+    return groups
+
+
+def form_groups(trained, groups, names, process_set):
+    """Map each grouped parameter to its group (a tuple reduced in one call).
+
+    ``groups`` as groups_setting accepted it, and ``trained`` named alike on
+    every rank of ``process_set``.
+    """
+    if groups is None:
+        return {}
+    if isinstance(groups, list):
         trained_set = set(trained)
         formed = [tuple(p for p in group if p in trained_set) for group in groups]
     else:
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-            raise ValueError("groups must be a positive number of groups or a list "
-                             f"of lists of parameters, got {groups!r}")
         # Every rank must form the same groups: follow rank 0's parameter order.
         order = broadcast_object([names[p] for p in trained], process_set.ranks[0],
                                  "DistributedOptimizer.parameter_order", process_set)
         by_name = {names[p]: p for p in trained}
-        ordered = [by_name.pop(name) for name in order if name in by_name]
-        if by_name:
-            raise ValueError(
-                f"rank {process_set.ranks[process_set.rank()]} has parameters that rank "
-                f"{process_set.ranks[0]} lacks: "
-                f"{', '.join(sorted(by_name))}; every rank must build the same model")
+        ordered = [by_name[name] for name in order]
         size, extra = divmod(len(ordered), groups)
         formed, start = [], 0
         for index in range(groups):
