@@ -10,12 +10,14 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
 from mpitrain.api import elastic_store
 from mpitrain.launcher import discovery, run
 from tests.mpi_harness import ROOT, job_environment
+from tests.test_launcher import running
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
 
@@ -75,6 +77,22 @@ def test_a_script_that_fails_is_reported_with_its_exit_code_and_what_it_said(tmp
     with pytest.raises(discovery.DiscoveryError,
                        match="exited with code 3: no cloud credentials"):
         discovery.ScriptDiscovery(str(script), 1).find()
+
+
+def test_a_script_that_hangs_is_ended_with_every_process_it_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(discovery, "SCRIPT_TIMEOUT", 2)
+    script = tmp_path / "hosts.sh"
+    script.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/script.pid\nsleep 600 &\n"
+                      f"echo $! > {tmp_path}/sleep.pid\nwait\n")
+    script.chmod(0o755)
+    with pytest.raises(discovery.DiscoveryError, match=f"{script} ran longer than the 2 s "
+                       "it may take: it and the processes it started were ended"):
+        discovery.ScriptDiscovery(str(script), 1).find()
+    started = [int((tmp_path / name).read_text()) for name in ("script.pid", "sleep.pid")]
+    deadline = time.monotonic() + 5
+    while any(map(running, started)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in started if running(pid)] == [], "still running"
 
 
 def test_a_blacklisted_host_comes_back_after_a_cooldown_that_grows_with_its_failures():

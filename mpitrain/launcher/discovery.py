@@ -2,14 +2,17 @@
 
 As Horovod's: the host discovery script prints every host that can take
 ranks now, one a line, as ``host:slots`` or ``host`` (then --slots, else 1,
-as in -H); mpitrainrun runs it every second. A host whose rank was lost is
+as in -H); mpitrainrun runs it every second, in a session of its own, so
+that a run that hangs is ended with all it started. A host whose rank was lost is
 blacklisted: for the rest of the job, or with --blacklist-cooldown-range
 MIN MAX for a time that doubles with each failure of the host, from MIN
 plus a random part of MIN up to MAX seconds (Horovod's formula), after
 which discovery may offer it again.
 """
 
+import os
 import random
+import signal
 import subprocess
 import time
 
@@ -50,16 +53,27 @@ class ScriptDiscovery:
         self.default_slots = default_slots
 
     def find(self):
+        # A session of its own: a script that hangs is ended with every
+        # process it started, not only the shell that runs it.
+        process = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
         try:
-            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=SCRIPT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(f"the host discovery script {self.script} ran longer "
-                                 f"than {SCRIPT_TIMEOUT} s") from None
-        if done.returncode:
+            out, err = process.communicate(timeout=SCRIPT_TIMEOUT)
+        except BaseException as error:          # the timeout, or mpitrainrun stops
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            process.stdout.close()
+            process.stderr.close()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise DiscoveryError(f"the host discovery script {self.script} ran longer "
+                                     f"than the {SCRIPT_TIMEOUT} s it may take: it and the "
+                                     "processes it started were ended") from None
+            raise
+        if process.returncode:
             raise DiscoveryError(f"the host discovery script {self.script} exited with "
-                                 f"code {done.returncode}: {done.stderr.strip()[-500:]}")
-        return parse_discovered(done.stdout, self.default_slots)
+                                 f"code {process.returncode}: {err.strip()[-500:]}")
+        return parse_discovered(out, self.default_slots)
 
 
 class FixedHosts:
