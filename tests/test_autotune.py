@@ -7,6 +7,8 @@ import tempfile
 import numpy as np
 
 import mpitrain as mt
+from mpitrain.engine.negotiation import autotune
+from mpitrain.runtime import config
 from tests.mpi_harness import mpi_test
 
 LOG = os.path.join(tempfile.gettempdir(), "mpitrain-autotune-test.csv")
@@ -43,3 +45,8 @@ def test_autotune_tries_candidates_and_every_rank_ends_with_the_same_values():
         assert len({row["fusion_threshold"] for row in rows}) >= 3
         scored = [row for row in rows if row["sample"] not in ("warm-up", "best")]
         assert all(float(row["bytes_per_second"]) > 0 for row in scored)
+
+
+def test_the_cycle_times_autotune_tries_are_ones_init_accepts():
+    for value in autotune.CANDIDATES["cycle_time_ms"]:
+        assert config.from_environ({"MPITRAIN_CYCLE_TIME": str(value)}).cycle_time_ms == value

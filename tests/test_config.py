@@ -41,6 +41,15 @@ def test_a_bad_value_names_the_variable_and_what_it_accepts(name, value, accepts
     assert accepts in str(caught.value)
 
 
+@pytest.mark.parametrize("value", ["1000000", "1e12", "1000.5", "inf"])
+def test_a_cycle_time_beyond_a_second_is_refused(value):
+    with pytest.raises(ValueError) as caught:
+        config.from_environ({"MPITRAIN_CYCLE_TIME": value})
+    assert str(caught.value) == (f"MPITRAIN_CYCLE_TIME={value!r} is not valid: it accepts "
+                                 "a number of milliseconds >= 0 and <= 1000")
+    assert config.from_environ({"MPITRAIN_CYCLE_TIME": "1000"}).cycle_time_ms == 1000
+
+
 def test_init_rejects_a_bad_value_before_starting_mpi(monkeypatch):
     monkeypatch.setenv("MPITRAIN_CYCLE_TIME", "soon")
     with pytest.raises(ValueError, match="MPITRAIN_CYCLE_TIME"):

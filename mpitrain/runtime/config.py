@@ -6,6 +6,9 @@ import os
 from mpitrain.runtime import logs
 
 MiB = 1024 * 1024
+# Longer cycles would only hold ready operations back: the engine pauses no
+# longer than an idle rank's heartbeat, a round a second, anyway.
+MAX_CYCLE_TIME_MS = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,15 @@ def _nonnegative_float(text):
     return value
 
 
+def _number_up_to(most):
+    def parse(text):
+        value = _nonnegative_float(text)
+        if value > most:
+            raise ValueError
+        return value
+    return parse
+
+
 def _choice(*choices):
     def parse(text):
         value = text.strip().lower()
@@ -89,8 +101,8 @@ _VARIABLES = {
     "fusion_threshold": ("FUSION_THRESHOLD", _nonnegative_int,
                          "a whole number of bytes >= 0 (0 disables fusion)"),
     "chunk_size": ("CHUNK_SIZE", _positive_int, "a whole number of bytes > 0"),
-    "cycle_time_ms": ("CYCLE_TIME", _nonnegative_float,
-                      "a number of milliseconds >= 0"),
+    "cycle_time_ms": ("CYCLE_TIME", _number_up_to(MAX_CYCLE_TIME_MS),
+                      f"a number of milliseconds >= 0 and <= {MAX_CYCLE_TIME_MS:g}"),
     "cache_capacity": ("CACHE_CAPACITY", _nonnegative_int,
                        "a whole number of entries >= 0 (0 disables the cache)"),
     "stall_check_disable": ("STALL_CHECK_DISABLE", _flag, "0 or 1"),
