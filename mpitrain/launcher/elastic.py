@@ -32,7 +32,8 @@ from mpitrain.launcher import discovery, endings
 from mpitrain.launcher.hosts import all_on_this_machine
 from mpitrain.launcher.mpirun_command import (
     TAG_OUTPUT, job_environment, mpirun_command, shown)
-from mpitrain.launcher.mpirun_process import run_with_reports, warn_before_start
+from mpitrain.launcher.mpirun_process import (
+    Stopping, run_with_reports, signals_handled_by, stop, warn_before_start)
 from mpitrain.launcher.mpirun_process import warn as say
 from mpitrain.launcher.program import check_program
 from mpitrain.launcher.rank_lines import End, RankLines
@@ -98,9 +99,13 @@ class Supervisor:
         hosts' commits are removed then, unless a signal or Ctrl-C ended it
         (removing them takes another mpirun)."""
         try:
-            code = self.runs()
+            with signals_handled_by(stop):
+                code = self.runs()
         except KeyboardInterrupt:
             self.signalled, code = True, 130
+        except Stopping as stopping:            # between runs: no mpirun to forward it to
+            say(stopping)
+            self.signalled, code = True, 128 + stopping.number
         if self.signalled and not all_on_this_machine(list(self.offered.items())):
             say(f"the job's commits stay in {self.commit_folder()} on its hosts")
         else:

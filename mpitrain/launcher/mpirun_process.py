@@ -5,6 +5,7 @@ to it, the elastic supervisor can abandon it, and a failed job ends with
 one line on how it ended (endings.py) instead of Open MPI's boxes.
 """
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -24,7 +25,28 @@ def warn(message):
 
 
 class Stopping(Exception):
-    """A signal, forwarded to mpirun, ends the job."""
+    """A signal to mpitrainrun (one of FORWARDED_SIGNALS) ends the job."""
+
+    def __init__(self, number):
+        super().__init__(f"{signal.Signals(number).name}: ending the job")
+        self.number = number
+
+
+def stop(number, _):
+    """A signal handler: end what runs with Stopping."""
+    raise Stopping(number)
+
+
+@contextlib.contextmanager
+def signals_handled_by(handler):
+    """FORWARDED_SIGNALS go to ``handler`` inside the block, and to the
+    handlers from before it after."""
+    before = {number: signal.signal(number, handler) for number in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, previous in before.items():
+            signal.signal(number, previous)
 
 
 def run(line, env, tagged, verbose, abandon=None):
@@ -46,22 +68,21 @@ def run(line, env, tagged, verbose, abandon=None):
         process.send_signal(number)
         received.append(number)
         if len(received) == 1:
-            raise Stopping
+            raise Stopping(number)
 
-    try:
-        for number in FORWARDED_SIGNALS:
-            signal.signal(number, forward)
-        code = wait_unless(process, abandon)
-    except (KeyboardInterrupt, Stopping):
-        if received:
-            warn(f"{signal.Signals(received[0]).name}: ending the job")
-        # mpirun got the signal too (from the terminal, or forwarded) and is
-        # ending the ranks; give it that time before stopping it ourselves.
+    with signals_handled_by(forward):
         try:
-            code = process.wait(timeout=10)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            process.terminate()
-            code = process.wait()
+            code = wait_unless(process, abandon)
+        except (KeyboardInterrupt, Stopping):
+            if received:
+                warn(Stopping(received[0]))
+            # mpirun got the signal too (from the terminal, or forwarded) and
+            # is ending the ranks; give it that time before stopping it ourselves.
+            try:
+                code = process.wait(timeout=10)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                process.terminate()
+                code = process.wait()
     for thread in copying:
         # What the ranks wrote last comes before anything printed after the
         # job; a daemon left holding the pipe must not keep us waiting.
