@@ -1,12 +1,16 @@
-"""The cycle time: a value out of range fails init() on every rank."""
+"""The cycle time: a value out of range fails init() on every rank, and no
+pause between rounds, whatever the cycle time, outlasts the stall check."""
 
+import logging
 import os
+import time
 
 import numpy as np
 import pytest
 
 import mpitrain as mt
 from tests.mpi_harness import mpi_test
+from tests.test_stall import Records
 
 FAST_STALL = {"MPITRAIN_STALL_CHECK_TIME_SECONDS": "1",
               "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "3"}
@@ -38,3 +42,20 @@ def test_a_cycle_time_out_of_range_fails_init_on_every_rank():
         mt.shutdown()
     finally:
         os.environ["MPITRAIN_CYCLE_TIME"] = "1000000"
+
+
+@mpi_test(env={"MPITRAIN_CYCLE_TIME": "1000", "MPITRAIN_STALL_CHECK_TIME_SECONDS": "0.1",
+               "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "0"})
+def test_the_longest_cycle_time_does_not_hold_back_the_stall_check():
+    records = Records()
+    logging.getLogger("mpitrain").addHandler(records)
+    submitted = time.time()
+    if mt.rank() != 0:
+        time.sleep(1.5)                           # rank 0's allreduce stalls
+    got = mt.allreduce(np.ones(2), op=mt.Sum, name="late")
+    logging.getLogger("mpitrain").removeHandler(records)
+    assert got.tolist() == [mt.size()] * 2
+    if mt.rank() == 0:
+        # Rounds a cycle (1 s) apart warned after 1-2 s; a check time apart, 0.2-0.3 s.
+        warned_after = [when - submitted for when in records.times]
+        assert warned_after and warned_after[0] < 0.7, warned_after

@@ -17,9 +17,11 @@ class Records(logging.Handler):
     def __init__(self):
         super().__init__()
         self.messages = []
+        self.times = []             # when each was logged, as time.time()
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+        self.times.append(record.created)
 
 
 def wait_for_stall_shutdown(name, warm_up_steps):

@@ -55,6 +55,14 @@ def _slots_like(cache, entry):
     return mask
 
 
+def _stall_times(config):
+    """The stall inspector's warning and shutdown times, where it runs."""
+    if config.stall_check_disable:
+        return []
+    return [seconds for seconds in (config.stall_check_time, config.stall_shutdown_time)
+            if seconds]
+
+
 class EngineStopped(Exception):
     """Raised inside a round when the job-wide engine must stop."""
 
@@ -99,6 +107,9 @@ class SetController:
                              and route.reducer is not None else None)
         self.stall_after = (None if config.stall_check_disable
                             else config.stall_check_time)
+        # Rounds are where the coordinator looks for stalls: no pause between
+        # them, idle or not, outlasts the stall check's times.
+        self.longest_pause = min([HEARTBEAT] + _stall_times(config))
         self.cache = ResponseCache(config.cache_capacity)
         self.coordinator = (Coordinator(self.size, self.rank_names)
                             if self.rank == 0 else None)
@@ -146,14 +157,16 @@ class SetController:
         After a round that ran something, at once: more may be ready. After
         a round that found nothing ready, the cycle time, stretched to a
         tenth of the time since the last progress, so ranks that wait on
-        each other for long do not keep each other busy.
+        each other for long do not keep each other busy. Never later than
+        longest_pause.
         """
         if not self.has_work():
-            return self.last_round_end + HEARTBEAT
+            return self.last_round_end + self.longest_pause
         if self.progressed:
             return 0.0
         idle = self.last_round_start - self.last_progress
-        return self.last_round_start + max(self.cycle_time, min(0.1 * idle, MAX_PAUSE))
+        pause = max(self.cycle_time, min(0.1 * idle, MAX_PAUSE))
+        return self.last_round_start + min(pause, self.longest_pause)
 
     def advance(self, now):
         """Run this set's round as far as it can go without waiting.
