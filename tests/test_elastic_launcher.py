@@ -1,8 +1,8 @@
 """The pieces of mpitrainrun's elastic mode: its flags and their mistakes,
-the discovery script's output, the blacklist's cooldown, the hosts' files of
-commits (how a commit cut short or damaged is never loaded), and, in one
-job on this machine, that the program's own error ends an elastic job
-instead of starting it again. tests/test_elastic_hosts.py runs elastic jobs
+the discovery script's output and its hangs, which hosts a loss leaves
+out, the hosts' files of commits (how a commit cut short or damaged is
+never loaded), and, in one job on this machine, that the program's own
+error ends an elastic job instead of starting it again. tests/test_elastic_hosts.py runs elastic jobs
 that lose and gain hosts."""
 
 import os
@@ -95,18 +95,26 @@ def test_a_script_that_hangs_is_ended_with_every_process_it_started(tmp_path, mo
     assert [pid for pid in started if running(pid)] == [], "still running"
 
 
-def test_a_blacklisted_host_comes_back_after_a_cooldown_that_grows_with_its_failures():
-    forever = discovery.Blacklist()
-    assert forever.add("a", now=0) == float("inf")
-    assert forever.usable({"a": 1, "b": 2}, now=1e9) == {"b": 2}
-    # Horovod's formula: MIN * 2**failures plus up to MIN more, within MIN..MAX.
+def test_a_host_is_left_out_when_it_cannot_be_reached_or_at_its_third_lost_rank():
+    hosts = discovery.Blacklist()
+    assert hosts.lost("a", reachable=True, now=0) == 0
+    assert hosts.lost("a", reachable=True, now=0) == 0
+    assert hosts.usable({"a": 1}, now=1) == {"a": 1}
+    assert hosts.lost("a", reachable=True, now=0) == float("inf")
+    assert hosts.lost("b", reachable=False, now=0) == float("inf")
+    assert hosts.usable({"a": 1, "b": 2, "c": 3}, now=1e9) == {"c": 3}
+
+
+def test_with_a_cooldown_range_every_loss_leaves_a_host_out_for_a_time_that_grows():
+    # Horovod's formula: MIN * 2**losses plus up to MIN more, within MIN..MAX.
     cooling = discovery.Blacklist((10, 100))
-    first = cooling.add("a", now=0)
+    first = cooling.lost("a", reachable=True, now=0)
     assert 20 <= first <= 30
     assert cooling.usable({"a": 1}, now=first - 0.1) == {}
     assert cooling.usable({"a": 1}, now=first) == {"a": 1}
-    assert 40 <= cooling.add("a", now=first) <= 50
-    assert cooling.add("a", now=first) <= 100 and cooling.add("a", now=first) == 100
+    assert 40 <= cooling.lost("a", reachable=True, now=first) <= 50
+    assert cooling.lost("a", reachable=False, now=first) <= 100
+    assert cooling.lost("a", reachable=True, now=first) == 100
 
 
 def commit_files(folder):

@@ -1,13 +1,18 @@
-"""Which hosts an elastic job may run on: discovery, less the blacklisted.
+"""Which hosts an elastic job may run on: discovery, less the left out.
 
 As Horovod's: the host discovery script prints every host that can take
 ranks now, one a line, as ``host:slots`` or ``host`` (then --slots, else 1,
 as in -H); mpitrainrun runs it every second, in a session of its own, so
-that a run that hangs is ended with all it started. A host whose rank was lost is
-blacklisted: for the rest of the job, or with --blacklist-cooldown-range
-MIN MAX for a time that doubles with each failure of the host, from MIN
-plus a random part of MIN up to MAX seconds (Horovod's formula), after
-which discovery may offer it again.
+that a run that hangs is ended with all it started.
+
+A rank lost on a host counts against that host. A process that died is not
+a host that went down: the job starts again on a host that still answered
+when its rank was lost, until the host has lost LOSSES_LEAVING_OUT ranks;
+a host that cannot be reached, or that lost that many, is left out for the
+rest of the job. With --blacklist-cooldown-range MIN MAX, Horovod's
+blacklist instead: every loss leaves its host out for a time that doubles
+with each of its losses, from MIN plus a random part of MIN up to MAX
+seconds (Horovod's formula), after which discovery may offer it again.
 """
 
 import os
@@ -20,6 +25,10 @@ from mpitrain.launcher.hosts import parse_hosts
 
 # Horovod's bounds for --blacklist-cooldown-range.
 COOLDOWN_LIMITS = (1, 3600)
+# Lost ranks that leave a host out for the rest of the job, where it still
+# answered each time: a rank that keeps dying there (a bad GPU, too little
+# memory) should not restart the job for ever.
+LOSSES_LEAVING_OUT = 3
 SCRIPT_TIMEOUT = 60
 
 
@@ -87,28 +96,32 @@ class FixedHosts:
 
 
 class Blacklist:
-    """Hosts left out after a rank on them was lost."""
+    """Hosts left out after they lost ranks, and the count of each host's losses."""
 
     def __init__(self, cooldown_range=None):
         self.cooldown_range = cooldown_range
-        self.until = {}             # host -> end of its cooldown (inf: for good)
-        self.failures = {}
+        self.until = {}             # host -> end of its time out (inf: for good)
+        self.losses = {}
 
-    def add(self, host, now=None):
-        """Leave ``host`` out; returns for how many seconds (inf: for the rest of the job)."""
+    def lost(self, host, reachable, now=None):
+        """Count a rank lost on ``host``, which ``reachable`` says still
+        answered then; returns for how many seconds the host is left out (0:
+        it stays in the job, inf: for the rest of the job)."""
         now = time.monotonic() if now is None else now
-        self.failures[host] = self.failures.get(host, 0) + 1
-        if self.cooldown_range is None:
+        self.losses[host] = self.losses.get(host, 0) + 1
+        if self.cooldown_range is not None:
+            low, high = self.cooldown_range
+            delay = low * (1 << self.losses[host]) + random.uniform(0, 1) * low
+            seconds = max(low, min(high, delay))
+        elif not reachable or self.losses[host] >= LOSSES_LEAVING_OUT:
             seconds = float("inf")
         else:
-            low, high = self.cooldown_range
-            delay = low * (1 << self.failures[host]) + random.uniform(0, 1) * low
-            seconds = max(low, min(high, delay))
+            return 0
         self.until[host] = now + seconds
         return seconds
 
     def usable(self, hosts, now=None):
-        """``hosts`` ({host: slots}) without those in their cooldown."""
+        """``hosts`` ({host: slots}) without those left out now."""
         now = time.monotonic() if now is None else now
         return {host: slots for host, slots in hosts.items()
                 if self.until.get(host, now) <= now}

@@ -4,9 +4,11 @@
 
 Under plain MPI the processes of a job are fixed and a lost rank ends it,
 so mpitrainrun supervises: it runs mpirun on the hosts discovery offers
-(discovery.py), and when a run ends because a rank was lost it blacklists
-that rank's host and starts the job again on the hosts left, between
---min-np and --max-np ranks, waiting up to --elastic-timeout for enough.
+(discovery.py), and when a run ends because a rank was lost it counts the
+loss against that rank's host (which it leaves out if it cannot be reached,
+or has lost ranks again and again) and starts the job again on the hosts
+there are, between --min-np and --max-np ranks, waiting up to
+--elastic-timeout for enough.
 While a run goes on it runs discovery every second; when hosts were added
 (and the job is below --max-np) or one of its hosts was removed, it tells
 rank 0, and the job stops at its next commit to start again on the hosts
@@ -167,18 +169,35 @@ class Supervisor:
             return code, None
         end = self.lines.first_end()
         if end is None and endings.killed_rank(sentences) is not None:
-            end = End("lost", endings.killed_rank(sentences))
-        if end is not None and end.kind == "lost":
-            host = rank_host(layout, end.rank)
-            seconds = self.blacklist.add(host)
-            return code, (f"rank {end.rank} on {host} was lost: it ended without an "
-                          f"exception (killed, or its host went down); {host} is left out "
-                          + ("for the rest of the job" if seconds == float("inf")
-                             else f"for {seconds:.0f} s"))
+            # Open MPI's daemon on the rank's host told of the signal.
+            end = End("killed", endings.killed_rank(sentences))
+        if end is not None and end.kind != "exception":
+            return code, self.lost(end, rank_host(layout, end.rank))
         if end is not None and not reports:     # the exception the rank told of
             reports = {end.rank: end.detail}
         say(endings.summary(code, reports, sentences))
         return code, None
+
+    def lost(self, end, host):
+        """Count the loss of ``end``'s rank against ``host``; returns the line
+        that says so and what follows for the host."""
+        reachable = end.kind == "killed"
+        seconds = self.blacklist.lost(host, reachable)
+        losses = self.blacklist.losses[host]
+        what = (f"it ended without an exception (killed, by a signal or for want of "
+                f"memory) while {host} still answered" if reachable else
+                f"its line to mpitrainrun was still open when mpirun ended: {host} "
+                "cannot be reached (down, or cut off)")
+        if not seconds:
+            decision = (f"{host} stays in the job ({losses} rank{'s' if losses > 1 else ''} "
+                        f"lost there; at {discovery.LOSSES_LEAVING_OUT} it is left out)")
+        elif seconds != float("inf"):
+            decision = f"{host} is left out for {seconds:.0f} s (--blacklist-cooldown-range)"
+        elif reachable:
+            decision = f"{host} has lost {losses} ranks: it is left out for the rest of the job"
+        else:
+            decision = f"{host} is left out for the rest of the job"
+        return f"rank {end.rank} on {host} was lost: {what}; {decision}"
 
     def wait_for(self, slots, what):
         """The layout of the next run once discovery offers ``slots`` usable

@@ -5,6 +5,8 @@ elastic (launcher/elastic.py); the other flags of this group need one of
 them.
 """
 
+from mpitrain.launcher.discovery import COOLDOWN_LIMITS, LOSSES_LEAVING_OUT
+
 DEFAULT_ELASTIC_TIMEOUT = 600
 
 
@@ -31,9 +33,10 @@ def add_arguments(parser):
                             "restarts (default: no limit)")
     group.add_argument("--blacklist-cooldown-range", type=int, nargs=2,
                        metavar=("MIN", "MAX"),
-                       help="seconds a host whose rank was lost stays out, growing "
-                            "with each failure from MIN to MAX (default: for the rest "
-                            "of the job)")
+                       help="Horovod's blacklist: every rank lost on a host leaves it "
+                            "out for seconds growing with each loss from MIN to MAX "
+                            "(default: a host stays in until it cannot be reached or "
+                            f"has lost {LOSSES_LEAVING_OUT} ranks)")
 
 
 def is_elastic(args):
@@ -80,7 +83,6 @@ def check(parser, args):
         parser.error(f"--elastic-timeout must be a number of seconds > 0, not "
                      f"{args.elastic_timeout}")
     if args.blacklist_cooldown_range is not None:
-        from mpitrain.launcher.discovery import COOLDOWN_LIMITS
         low, high = args.blacklist_cooldown_range
         if not COOLDOWN_LIMITS[0] <= low <= high <= COOLDOWN_LIMITS[1]:
             parser.error(f"--blacklist-cooldown-range {low} {high}: give MIN <= MAX, "

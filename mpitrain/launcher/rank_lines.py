@@ -2,15 +2,15 @@
 
 One thread serves them all. It keeps, for the run in progress, the ranks'
 ends in the order they came: an unhandled exception, or a line that closed
-without a word (the rank was killed, or its host went down). The first of
-these says why the run ended: Open MPI cannot, since when one rank dies a
-rank on another host often aborts first and is the one it names. A line
-still open after mpirun has ended belongs to a host out of reach (powered
-off, or cut off from the network: nothing closed its connections), whose
-loss comes first whatever the others raised meanwhile (a stall's
-ShutdownError). Rank 0's
-messages (resumed from commit N, stopping at commit N for new hosts) are
-kept too, and the news that hosts changed goes to rank 0 through it.
+without a word (the rank was killed; its host, whose kernel closed the
+line, still answers). The first of these says why the run ended: Open MPI
+cannot, since when one rank dies a rank on another host often aborts first
+and is the one it names. A line still open after mpirun has ended belongs
+to a host out of reach (powered off, or cut off from the network: nothing
+closed its connections), whose loss comes first whatever the others raised
+meanwhile (a stall's ShutdownError). Rank 0's messages (resumed from commit
+N, stopping at commit N for new hosts) are kept too, and the news that
+hosts changed goes to rank 0 through it.
 """
 
 import dataclasses
@@ -24,7 +24,9 @@ from mpitrain.runtime import elastic_job
 
 @dataclasses.dataclass
 class End:
-    """How a rank's part in a run ended: ``kind`` is "exception" or "lost"."""
+    """How a rank's part in a run ended: ``kind`` is "exception", "killed"
+    (its line closed without a word: its host still answered) or
+    "unreachable" (its line was still open when mpirun ended)."""
     kind: str
     rank: int
     detail: str = ""
@@ -116,7 +118,7 @@ class RankLines:
             unreachable = sorted(peer.rank for peer in self._peers()
                                  if peer.restart == self.restart)
             if unreachable:
-                return End("lost", unreachable[0])
+                return End("unreachable", unreachable[0])
             return self.ends[0] if self.ends else None
 
     def _peers(self):
@@ -152,7 +154,7 @@ class RankLines:
         self._selector.unregister(peer.connection)
         peer.connection.close()
         if peer.restart == self.restart and not peer.said_how_it_ends:
-            self.ends.append(End("lost", peer.rank))
+            self.ends.append(End("killed", peer.rank))
         if peer is self._rank_zero:
             self._rank_zero = None
 
