@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mpi_harness import ROOT
+from tests.mpi_harness import ROOT, kill_session
+from tests.test_elastic_one_host import LINKED_AND_WAITING, start_writing_to
+from tests.test_launcher import rank_pids, tcp_listeners
 from tests.test_multihost import LAUNCHER, MPIRUN, hosts, run, succeeded  # noqa: F401
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "elastic_training.py")
@@ -231,3 +233,26 @@ def test_keras_a_lost_host_leaves_fit_on_the_others_from_the_last_commit(
     assert got.files == want.files
     for name in got.files:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_the_launcher_listens_on_the_address_its_ranks_reach_it_by_alone(hosts, tmp_path):
+    """The bridge's: the interface the route to the hosts leaves by."""
+    script, _ = discovery(tmp_path, hosts, 0, 1)
+    program = tmp_path / "train.py"
+    program.write_text(LINKED_AND_WAITING)
+    job = start_writing_to(["-np", "2", "--host-discovery-script", script, sys.executable,
+                            str(program), str(tmp_path)], tmp_path, hosts.environment())
+    try:
+        rank_pids(job, tmp_path, 2)
+        listening = [str(address) for address in tcp_listeners(job.pid)]
+        (tmp_path / "stop").touch()
+        job.wait(timeout=60)
+    finally:
+        kill_session(job.pid)
+        hosts.kill_processes()
+        job.wait()
+    out, err = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert listening == [hosts.gateway.split("/")[0]], listening
+    assert job.returncode == 0, err[-3000:]
+    assert sorted(re.findall(r"rank (\d) reached mpitrainrun: True$", out, re.M)) == \
+        ["0", "1"], out

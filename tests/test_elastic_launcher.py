@@ -46,7 +46,7 @@ def test_elastic_flags_that_do_not_fit_stop_the_launcher_with_what_to_change(
     assert error in capsys.readouterr().err
 
 
-def test_a_dry_run_shows_the_first_run_on_the_hosts_discovery_offers(tmp_path, capsys):
+def test_a_dry_run_shows_the_first_run_on_the_hosts_discovery_offers_and_no_token(tmp_path, capsys):
     script = tmp_path / "hosts.sh"
     script.write_text("#!/bin/sh\necho node1:2\necho node2\necho node3:4\n")
     script.chmod(0o755)
@@ -57,6 +57,7 @@ def test_a_dry_run_shows_the_first_run_on_the_hosts_discovery_offers(tmp_path, c
     assert words[words.index("-np") + 1] == "4"
     variables = dict(word.split("=", 1) for word in words if re.match(r"MPITRAIN_\w+=", word))
     assert variables["MPITRAIN_ELASTIC_RESTARTS"] == "0"
+    assert variables["MPITRAIN_ELASTIC_TOKEN"] == "********"
     assert {"MPITRAIN_ELASTIC_ADDRESS", "MPITRAIN_ELASTIC_TOKEN",
             "MPITRAIN_ELASTIC_JOB"} <= set(variables)
     forwarded = [words[i + 1] for i, word in enumerate(words) if word == "-x"]

@@ -1,8 +1,10 @@
 """mpitrainrun's elastic mode with every rank on this machine: a rank lost
 there restarts the job there (the launcher's own host still answers),
 until the host has lost a rank again and again; a signal while it waits
-for hosts ends the job with one line. tests/test_elastic_hosts.py runs
-elastic jobs across hosts."""
+for hosts ends the job with one line; the launcher hears its ranks on
+loopback alone, shows no one their token, and lines that strangers send
+it change nothing. tests/test_elastic_hosts.py runs elastic jobs across
+hosts."""
 
 import os
 import re
@@ -14,7 +16,8 @@ import time
 import pytest
 
 from tests.mpi_harness import ROOT, kill_session
-from tests.test_launcher import LAUNCHER, discovery_script, launch, launcher_environment
+from tests.test_launcher import (
+    LAUNCHER, discovery_script, launch, launcher_environment, rank_pids, tcp_listeners)
 
 STEPS = os.path.join("tests", "scripts", "elastic_steps.py")
 # What each rank of elastic_steps.py prints at its end.
@@ -24,12 +27,13 @@ LOST = ("mpitrainrun: rank 1 on localhost was lost: it ended without an exceptio
         "(killed, by a signal or for want of memory) while localhost still answered; ")
 
 
-def start_writing_to(args, folder):
-    """mpitrainrun in a session of its own (for kill_session()), its stderr
-    going to folder/stderr."""
-    with open(folder / "stderr", "w") as stderr:
-        return subprocess.Popen([LAUNCHER, *args], cwd=ROOT, env=launcher_environment(),
-                                stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+def start_writing_to(args, folder, env=()):
+    """mpitrainrun in a session of its own (for kill_session()), with ``env``
+    added to its environment, its output going to folder/stdout and
+    folder/stderr."""
+    with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
+        return subprocess.Popen([LAUNCHER, *args], cwd=ROOT, env=launcher_environment(env),
+                                stdout=stdout, stderr=stderr, text=True,
                                 start_new_session=True)
 
 
@@ -118,3 +122,97 @@ def test_a_host_that_loses_a_rank_in_every_run_is_left_out_at_the_third_loss(tmp
     assert said[-1] == ("mpitrainrun: the job needs 1 slots to restart; discovery offers 0 "
                         "usable (no hosts; localhost left out) after waiting 2 s "
                         "(--elastic-timeout): ending the job"), job.stderr[-3000:]
+
+
+# Each rank opens its line to mpitrainrun, writes its pid to RUN_DIR/pid.<rank>
+# (rank 0 the job's token to RUN_DIR/token) and waits for RUN_DIR/stop.
+LINKED_AND_WAITING = """
+import os, sys, time
+import mpitrain as mt
+from mpitrain.api import elastic_channel
+run_dir = sys.argv[1]
+mt.init()
+reached = elastic_channel.link(mt.rank()) is not None
+if mt.rank() == 0:
+    with open(os.path.join(run_dir, "token"), "w") as stream:
+        stream.write(os.environ["MPITRAIN_ELASTIC_TOKEN"])
+pid_file = os.path.join(run_dir, f"pid.{mt.rank()}")
+with open(pid_file + ".part", "w") as stream:
+    stream.write(str(os.getpid()))
+os.rename(pid_file + ".part", pid_file)
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(run_dir, "stop")) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(f"rank {mt.rank()} reached mpitrainrun: {reached}", flush=True)
+"""
+
+
+def test_the_launcher_hears_its_ranks_on_loopback_alone_and_shows_no_one_their_token(
+        tmp_path):
+    program = tmp_path / "train.py"
+    program.write_text(LINKED_AND_WAITING)
+    job = start_writing_to(["-np", "2", "--verbose", "--host-discovery-script",
+                            discovery_script(tmp_path, "localhost:2"), sys.executable,
+                            str(program), str(tmp_path)], tmp_path)
+    try:
+        rank_pids(job, tmp_path, 2)
+        listening = tcp_listeners(job.pid)
+        (tmp_path / "stop").touch()
+        job.wait(timeout=60)
+    finally:
+        kill_session(job.pid)
+        job.wait()
+    out, err = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert listening and all(address.is_loopback for address in listening), \
+        f"mpitrainrun listens on {[str(address) for address in listening]}"
+    assert job.returncode == 0, err
+    assert sorted(re.findall(r"rank (\d) reached mpitrainrun: True$", out, re.M)) == \
+        ["0", "1"], out
+    token = (tmp_path / "token").read_text()
+    assert token not in err, "--verbose shows the token"
+    assert "MPITRAIN_ELASTIC_TOKEN='********' " in err, err
+
+
+# Rank 0 sends mpitrainrun, each over a connection of its own, lines that
+# are not a rank's (too deep to decode, too long, not UTF-8, a guessed
+# token) and says whether mpitrainrun closed each; then rank 1 raises.
+STRANGERS = """
+import os, socket
+import numpy as np
+import mpitrain as mt
+from mpitrain.api import elastic
+mt.init()
+state = elastic.State(step=0)
+if mt.rank() == 0:
+    host, _, port = os.environ["MPITRAIN_ELASTIC_ADDRESS"].rpartition(":")
+    for line in [b"[" * 200000 + b"\\n", b"[" * 3000 + b"\\n", b"\\xff\\xfe\\n",
+                 b'{"token": "guessed", "restart": 0, "rank": 1}\\n', b"x" * 1000000]:
+        with socket.create_connection((host, int(port))) as stranger:
+            stranger.settimeout(10)
+            try:
+                stranger.sendall(line)
+                closed = stranger.recv(1) == b""
+            except TimeoutError:
+                closed = False
+            except OSError:                 # reset: closed before all was read
+                closed = True
+            print(f"the stranger's {line[:4]!r}... closed: {closed}", flush=True)
+mt.allreduce(np.ones(1), name="after the strangers")
+if mt.rank() == 1:
+    raise ValueError("the batch is corrupt")
+mt.allreduce(np.ones(1), name="rank 0 waits here")
+"""
+
+
+def test_lines_from_strangers_are_dropped_and_a_ranks_exception_stays_that_ranks(tmp_path):
+    program = tmp_path / "train.py"
+    program.write_text(STRANGERS)
+    job = launch(["-np", "2", "--elastic-timeout", "5", "--host-discovery-script",
+                  discovery_script(tmp_path, "localhost:2"), sys.executable, str(program)])
+    assert re.findall(r"closed: (\w+)", job.stdout) == ["True"] * 5, job.stdout
+    assert job.stderr.rstrip().splitlines()[-1] == (
+        "mpitrainrun: rank 1 failed with ValueError: the batch is corrupt (traceback "
+        "above); the job ended with exit code 1"), job.stderr[-3000:]
+    assert job.returncode == 1
+    assert "lost" not in job.stderr and "mpitrainrun-rank-lines" not in job.stderr, \
+        job.stderr[-3000:]

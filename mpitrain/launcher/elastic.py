@@ -300,8 +300,7 @@ class Supervisor:
         return mpirun_command(self.mpirun, self.flavor, args, hosts, env), env
 
     def elastic_variables(self, layout):
-        first = next(iter(layout))
-        return {elastic_job.ADDRESS: self.lines.address_for(first),
+        return {elastic_job.ADDRESS: self.lines.address_for(list(layout)),
                 elastic_job.TOKEN: self.token, elastic_job.JOB: self.job_id,
                 elastic_job.RESTARTS: str(self.restarts)}
 

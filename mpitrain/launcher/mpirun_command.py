@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from mpitrain.launcher.hosts import all_on_this_machine, cores, shares_cores
+from mpitrain.runtime import elastic_job
 
 # The flag that prefixes every line of a rank's output with its rank.
 TAG_OUTPUT = {"openmpi": ["--tag-output"], "mpich": ["-prepend-rank"]}
@@ -23,6 +24,11 @@ TAG_OUTPUT = {"openmpi": ["--tag-output"], "mpich": ["-prepend-rank"]}
 # mpitrainrun also drops the two notices printed before TensorFlow reads it
 # (quiet.py).
 QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+# Variables whose values --dry-run and --verbose show as MASK: the elastic
+# job's token lets whoever holds it steer the launcher.
+SECRETS = (elastic_job.TOKEN,)
+MASK = "********"
 
 # What to do where find_mpirun() finds none.
 INSTALL_MPI = ("install Open MPI into this environment with "
@@ -124,7 +130,10 @@ def mpirun_command(mpirun, flavor, args, hosts, env):
 
 
 def shown(line, env, environ):
-    """The command as one shell line, led by the variables mpitrainrun adds."""
-    added = [f"{name}={shlex.quote(value)}" for name, value in sorted(env.items())
-             if environ.get(name) != value]
-    return " ".join(added + [shlex.quote(word) for word in line])
+    """The command as one shell line, led by the variables mpitrainrun adds;
+    the values of SECRETS masked, wherever they appear."""
+    secrets = {env[name] for name in SECRETS if name in env}
+    added = [f"{name}={shlex.quote(MASK if value in secrets else value)}"
+             for name, value in sorted(env.items()) if environ.get(name) != value]
+    return " ".join(added + [shlex.quote(MASK if word in secrets else word)
+                             for word in line])

@@ -14,12 +14,18 @@ hosts changed goes to rank 0 through it.
 """
 
 import dataclasses
+import hmac
 import selectors
 import socket
 import threading
 import time
 
+from mpitrain.launcher.hosts import is_this_machine
 from mpitrain.runtime import elastic_job
+
+# The most a connection may send before its hello, which takes a rank some
+# 150 bytes: more is a stranger's, closed instead of read into memory.
+HELLO_LIMIT = 4096
 
 
 @dataclasses.dataclass
@@ -48,10 +54,8 @@ class RankLines:
     def __init__(self, token, on_message):
         self.token = token
         self.on_message = on_message        # called with rank 0's resumed/stopping messages
-        self._server = socket.create_server(("0.0.0.0", 0))
-        self.port = self._server.getsockname()[1]
         self._selector = selectors.DefaultSelector()
-        self._selector.register(self._server, selectors.EVENT_READ)
+        self._servers = {}                  # address -> the socket listening there
         self._lock = threading.Lock()
         self.restart = None
         self.ends = []
@@ -61,15 +65,17 @@ class RankLines:
         threading.Thread(target=self._serve, daemon=True,
                          name="mpitrainrun-rank-lines").start()
 
-    def address_for(self, host):
-        """host:port where ``host`` reaches this launcher: the address of the
-        interface the route to it leaves by."""
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, 9))
-                return f"{probe.getsockname()[0]}:{self.port}"
-        except OSError:
-            return f"{socket.gethostbyname(socket.gethostname())}:{self.port}"
+    def address_for(self, hosts):
+        """address:port where the ranks on ``hosts`` reach this launcher, which
+        listens there and nowhere else: loopback when every host is this
+        machine, else the address the route to the first other host leaves by."""
+        others = [host for host in hosts if not is_this_machine(host)]
+        address = route_address(others[0]) if others else "127.0.0.1"
+        with self._lock:
+            if address not in self._servers:
+                self._servers[address] = socket.create_server((address, 0))
+                self._selector.register(self._servers[address], selectors.EVENT_READ)
+            return f"{address}:{self._servers[address].getsockname()[1]}"
 
     def start_run(self, restart):
         with self._lock:
@@ -129,11 +135,16 @@ class RankLines:
         while True:
             for key, _ in self._selector.select():
                 if key.data is None:
-                    connection, _ = self._server.accept()
-                    self._selector.register(connection, selectors.EVENT_READ,
-                                            _Peer(connection))
+                    self._accept(key.fileobj)
                 else:
                     self._read(key.data)
+
+    def _accept(self, server):
+        try:
+            connection, _ = server.accept()
+        except OSError:                 # reset before it was taken
+            return
+        self._selector.register(connection, selectors.EVENT_READ, _Peer(connection))
 
     def _read(self, peer):
         try:
@@ -146,30 +157,45 @@ class RankLines:
                 return
             *lines, peer.unread = (peer.unread + data).split(b"\n")
             for line in lines:
-                message = elastic_job.decode(line)
-                if message is not None and peer.connection.fileno() != -1:
-                    self._heard(peer, message)
+                if peer.connection.fileno() == -1:      # a stranger's, dropped
+                    return
+                if peer.rank is None:
+                    self._hello(peer, line)
+                else:
+                    self._heard(peer, decoded(line))
+            if peer.rank is None and len(peer.unread) > HELLO_LIMIT:
+                self._drop(peer)
+
+    def _drop(self, peer):
+        if peer.connection.fileno() != -1:
+            self._selector.unregister(peer.connection)
+            peer.connection.close()
 
     def _closed(self, peer):
-        self._selector.unregister(peer.connection)
-        peer.connection.close()
+        self._drop(peer)
         if peer.restart == self.restart and not peer.said_how_it_ends:
             self.ends.append(End("killed", peer.rank))
         if peer is self._rank_zero:
             self._rank_zero = None
 
-    def _heard(self, peer, message):
-        if peer.rank is None:
-            if message.get("token") != self.token or message.get("restart") != self.restart:
-                self._selector.unregister(peer.connection)   # a stranger, or a rank
-                peer.connection.close()                       # of an earlier run
-                return
-            peer.rank, peer.restart = message["rank"], message["restart"]
-            if peer.rank == 0:
-                self._rank_zero = peer
-                self._tell_rank_zero()
+    def _hello(self, peer, line):
+        """A line before the hello: a rank of this run says who it is. Any
+        other (a stranger's, a rank's of an earlier run) closes the line."""
+        message = decoded(line) if len(line) <= HELLO_LIMIT else None
+        token = message.get("token") if message else None
+        if not (isinstance(token, str) and hmac.compare_digest(
+                token.encode(errors="replace"), self.token.encode())
+                and message.get("restart") == self.restart
+                and isinstance(message.get("rank"), int)):
+            self._drop(peer)
             return
-        if peer.restart != self.restart:
+        peer.rank, peer.restart = message["rank"], message["restart"]
+        if peer.rank == 0:
+            self._rank_zero = peer
+            self._tell_rank_zero()
+
+    def _heard(self, peer, message):
+        if message is None or peer.restart != self.restart:
             return
         if "exception" in message:
             peer.said_how_it_ends = True
@@ -180,3 +206,22 @@ class RankLines:
             if "stopping" in message:
                 self.stopping = message
             self.on_message(message)
+
+
+def decoded(line):
+    """The message on a line, or None. Any line may be a stranger's, and
+    whatever decoding it raises (RecursionError for "[" * 200000) drops it."""
+    try:
+        return elastic_job.decode(line)
+    except Exception:
+        return None
+
+
+def route_address(host):
+    """The address of this machine that the route to ``host`` leaves by."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
