@@ -182,7 +182,7 @@ class Engine:
                 for controller in self.running():
                     controller.advance(now)
                     self._check_responsive(controller, now)
-                    if controller.retired:
+                    if controller.retired and controller in self.retiring:
                         self.retiring.remove(controller)
                         controller.channel.comm.Free()
                 self.watch.working = False
@@ -267,9 +267,13 @@ class Engine:
             del self.set_ranks[set_id]
             if controller is not None:
                 # Its round may be under way, its peers' too: it runs one
-                # more, its last, before the communicator is freed.
+                # more, its last, before the communicator is freed. A peer's
+                # flag may have ended it already, before this rank's removal.
                 controller.removed = True
-                self.retiring.append(controller)
+                if controller.retired:
+                    controller.channel.comm.Free()
+                else:
+                    self.retiring.append(controller)
         return set_id
 
 
