@@ -47,7 +47,7 @@ class Passage:
         tag, text = self.split(line)
         if text.startswith(b"\0"):
             rest = text.lstrip(b"\0")
-            return self.line(rest) if rest else []
+            return self.line(tag + rest) if rest else []
         if self.drop_notices and quiet.NOTICE.match(text):
             return []
         box = self.boxes.pop(tag, None)
