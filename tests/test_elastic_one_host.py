@@ -17,7 +17,8 @@ import pytest
 
 from tests.mpi_harness import ROOT, kill_session
 from tests.test_launcher import (
-    LAUNCHER, discovery_script, launch, launcher_environment, rank_pids, tcp_listeners)
+    LAUNCHER, WAITING_RANK, discovery_script, launch, launcher_environment, rank_pids,
+    tcp_listeners)
 
 STEPS = os.path.join("tests", "scripts", "elastic_steps.py")
 # What each rank of elastic_steps.py prints at its end.
@@ -124,26 +125,19 @@ def test_a_host_that_loses_a_rank_in_every_run_is_left_out_at_the_third_loss(tmp
                         "(--elastic-timeout): ending the job"), job.stderr[-3000:]
 
 
-# Each rank opens its line to mpitrainrun, writes its pid to RUN_DIR/pid.<rank>
-# (rank 0 the job's token to RUN_DIR/token) and waits for RUN_DIR/stop.
-LINKED_AND_WAITING = """
-import os, sys, time
+# Each rank opens its line to mpitrainrun and says whether it could (rank 0
+# writes the job's token to RUN_DIR/token), then runs waiting_rank.py.
+LINKED_AND_WAITING = f"""
+import os, runpy, sys
 import mpitrain as mt
 from mpitrain.api import elastic_channel
-run_dir = sys.argv[1]
 mt.init()
 reached = elastic_channel.link(mt.rank()) is not None
 if mt.rank() == 0:
-    with open(os.path.join(run_dir, "token"), "w") as stream:
+    with open(os.path.join(sys.argv[1], "token"), "w") as stream:
         stream.write(os.environ["MPITRAIN_ELASTIC_TOKEN"])
-pid_file = os.path.join(run_dir, f"pid.{mt.rank()}")
-with open(pid_file + ".part", "w") as stream:
-    stream.write(str(os.getpid()))
-os.rename(pid_file + ".part", pid_file)
-deadline = time.monotonic() + 120
-while not os.path.exists(os.path.join(run_dir, "stop")) and time.monotonic() < deadline:
-    time.sleep(0.1)
-print(f"rank {mt.rank()} reached mpitrainrun: {reached}", flush=True)
+print(f"rank {{mt.rank()}} reached mpitrainrun: {{reached}}", flush=True)
+runpy.run_path({os.path.join(ROOT, WAITING_RANK)!r}, run_name="__main__")
 """
 
 
