@@ -1,4 +1,4 @@
-"""Which hosts an elastic job may run on: discovery, less the left out.
+"""Which hosts an elastic job may run on: discovery, less the hosts left out.
 
 As Horovod's: the host discovery script prints every host that can take
 ranks now, one a line, as ``host:slots`` or ``host`` (then --slots, else 1,

@@ -35,7 +35,7 @@ from mpitrain.launcher.hosts import all_on_this_machine
 from mpitrain.launcher.mpirun_command import (
     TAG_OUTPUT, job_environment, mpirun_command, shown)
 from mpitrain.launcher.mpirun_process import (
-    Stopping, run_with_reports, signals_handled_by, stop, warn_before_start)
+    Stopping, raise_stopping, run_with_reports, signals_handled_by, warn_before_start)
 from mpitrain.launcher.mpirun_process import warn as say
 from mpitrain.launcher.program import check_program
 from mpitrain.launcher.rank_lines import End, RankLines
@@ -101,7 +101,7 @@ class Supervisor:
         hosts' commits are removed then, unless a signal or Ctrl-C ended it
         (removing them takes another mpirun)."""
         try:
-            with signals_handled_by(stop):
+            with signals_handled_by(raise_stopping):
                 code = self.runs()
         except KeyboardInterrupt:
             self.signalled, code = True, 130

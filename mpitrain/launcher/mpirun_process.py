@@ -32,7 +32,7 @@ class Stopping(Exception):
         self.number = number
 
 
-def stop(number, _):
+def raise_stopping(number, _):
     """A signal handler: end what runs with Stopping."""
     raise Stopping(number)
 
