@@ -17,6 +17,7 @@ from mpitrain.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from mpitrain.torch.autograd import (
     allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
     grouped_reducescatter, reducescatter)
+from mpitrain.torch import distributed as _distributed  # registers the "mpitrain" backend
 from mpitrain.torch import elastic
 from mpitrain.torch.checkpoint import load_checkpoint, save_checkpoint
 from mpitrain.torch.compression import Compression
@@ -27,7 +28,7 @@ from mpitrain.torch.ops import (
     grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
     grouped_reducescatter_async, join, reducescatter_async, sparse_allreduce_async)
 from mpitrain.torch.optimizers import (
-    DistributedOptimizer, LocalSGDOptimizer, ShardedOptimizer)
+    DiLoCoOptimizer, DistributedOptimizer, LocalSGDOptimizer, ShardedOptimizer)
 from mpitrain.torch.sync_batch_norm import SyncBatchNorm
 from mpitrain.version import __version__
 from mpitrain import horovod_names as _horovod_names
