@@ -16,8 +16,11 @@ from mpitrain.runtime import logs, start_marks
 
 def start(comm, process_sets, config, problem):
     """Start MPI and the engine on this rank; returns (engine, topology, sets)."""
-    from mpitrain.runtime import faults, topology
-    topology.start_mpi()         # before any module that imports mpi4py.MPI
+    from mpitrain.runtime import faults, slurm_step, topology
+    MPI = topology.start_mpi()   # before any module that imports mpi4py.MPI
+    lone_task = slurm_step.lone_task_problem(MPI.COMM_WORLD.Get_size())
+    if lone_task:               # each task is its own world: no one else to tell
+        raise RuntimeError(lone_task)
     from mpitrain.engine.loop import Engine, create_communicator
     from mpitrain.transport import host
     topo = topology.build(comm)

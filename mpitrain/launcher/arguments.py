@@ -87,9 +87,14 @@ def build_parser():
                         help="number of ranks to start")
     parser.add_argument("-H", "--hosts", metavar="HOSTS",
                         help="hosts and their slots, e.g. node1:2,node2:2 "
-                             "(default: this machine)")
+                             "(default: the Slurm allocation, or the hostfile "
+                             "OMPI_MCA_orte_default_hostfile names, else this machine)")
     parser.add_argument("-hostfile", "--hostfile", metavar="FILE",
                         help="a file of hosts, one a line: 'node1 slots=2' or 'node1:2'")
+    parser.add_argument("--wait-for-hosts", type=float, default=60, metavar="S",
+                        help="seconds to wait for host names that do not resolve yet "
+                             "(a Kubernetes worker's appears after it starts) "
+                             "(default 60)")
     parser.add_argument("--mpi-args", default="", metavar="ARGS",
                         help="more arguments for mpirun, e.g. --mpi-args='--bind-to none'")
     parser.add_argument("--network-interface", "--network-interfaces",

@@ -1,4 +1,5 @@
-"""The hosts a job runs on: -H's list, a hostfile, and whether they are all this machine.
+"""The hosts a job runs on: -H's list, a hostfile, the hosts a scheduler
+gave (hosts_from_scheduler), and whether they are all this machine.
 
 Whether every rank runs here decides much of the rest: the environment
 mpirun gets (job_environment in mpirun_command.py), whether the program is
@@ -11,6 +12,15 @@ must share them (mpitrainrun warns, and tells Open MPI).
 
 import os
 import socket
+import time
+
+from mpitrain.launcher import slurm
+
+# The hostfile Open MPI takes when given no hosts; the Kubeflow MPI Operator
+# sets the first to /etc/mpi/hostfile in an MPIJob's launcher (Open MPI 5's
+# own name is the second).
+DEFAULT_HOSTFILE_VARIABLES = ("OMPI_MCA_orte_default_hostfile",
+                              "PRTE_MCA_prte_default_hostfile")
 
 
 def parse_hosts(text):
@@ -76,3 +86,59 @@ def shares_cores(hosts, nprocs):
     """Whether all ``nprocs`` ranks run on this machine, more of them than it
     has cores. Other hosts' cores are not known here."""
     return all_on_this_machine(hosts) and nprocs > cores()
+
+
+def hosts_from_scheduler(environ):
+    """(hosts, where they come from, how to get more slots) when mpitrainrun
+    is given neither -H nor --hostfile: the default hostfile the environment
+    names (an MPIJob's), else the Slurm allocation it runs in, else ([], None,
+    None). ValueError or OSError for a hostfile or allocation it cannot read."""
+    for name in DEFAULT_HOSTFILE_VARIABLES:
+        if environ.get(name):
+            try:
+                hosts = read_hostfile(environ[name])
+            except OSError as error:
+                raise OSError(f"{name}={environ[name]}: {error.strerror}") from None
+            return (hosts, f"the hostfile {environ[name]} ({name})",
+                    "raise the MPIJob's slotsPerWorker or Worker replicas,")
+    found = slurm.allocation(environ)
+    if found is None:
+        return [], None, None
+    hosts, variables = found
+    return (hosts, f"the Slurm allocation ({variables})",
+            "ask sbatch or salloc for more tasks (-n),")
+
+
+def unresolved(hosts, seconds, interval=0.5):
+    """The names of ``hosts`` that still do not resolve after trying for
+    ``seconds`` (none: all do). A Kubernetes worker's DNS name appears only
+    seconds after the launcher's pod starts."""
+    deadline = time.monotonic() + seconds
+    waiting = [host for host, _ in hosts if not is_this_machine(host)]
+    while True:
+        waiting = [host for host in waiting if not _resolves(host)]
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
+        time.sleep(interval)
+
+
+def _resolves(host):
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return True
+
+
+def placement(hosts, nprocs):
+    """Lines saying which ranks go to which host, as Open MPI and MPICH
+    place them by default: each host's slots filled in order."""
+    lines, rank = [], 0
+    for host, slots in hosts:
+        count = min(slots, nprocs - rank)
+        if count <= 0:
+            break
+        ranks = (f"rank {rank}" if count == 1 else f"ranks {rank}-{rank + count - 1}")
+        lines.append(f"# {ranks} on {host}")
+        rank += count
+    return lines

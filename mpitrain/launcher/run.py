@@ -13,6 +13,10 @@ rank (every piece of a progress bar too), ends a failed job with one line
 that says which rank failed and how instead of Open MPI's boxes, and exits
 with the job's exit code.
 
+Given no hosts, it takes those of the Slurm allocation it runs in
+(slurm.py) or of the hostfile Open MPI's default-hostfile variable names (a
+Kubeflow MPIJob's), and waits for host names that do not resolve yet.
+
 This file is the program: it reads the command line (arguments.py) and the
 hosts (hosts.py), builds the mpirun command (mpirun_command.py) and runs it
 (mpirun_process.py), or hands an elastic job to its supervisor (elastic.py).
@@ -23,7 +27,9 @@ import sys
 
 from mpitrain.launcher import elastic, elastic_arguments
 from mpitrain.launcher.arguments import build_parser, check_settings, setting_variables
-from mpitrain.launcher.hosts import all_on_this_machine, parse_hosts, read_hostfile
+from mpitrain.launcher.hosts import (
+    all_on_this_machine, hosts_from_scheduler, parse_hosts, placement, read_hostfile,
+    unresolved)
 from mpitrain.launcher.mpirun_command import (
     INSTALL_MPI, TAG_OUTPUT, find_mpirun, job_environment, mpi_flavor, mpirun_command,
     shown)
@@ -53,17 +59,23 @@ def main(argv=None, environ=None):
         parser.error("give the program to run, e.g. mpitrainrun -np 2 python train.py")
     if args.hosts and args.hostfile:
         parser.error("give -H or --hostfile, not both")
+    given_hosts = args.hosts or args.hostfile
+    source, more = "the hosts", "add slots (host:N)"
     try:
         hosts = (parse_hosts(args.hosts) if args.hosts
                  else read_hostfile(args.hostfile) if args.hostfile else [])
+        if not given_hosts and not elastic_arguments.is_elastic(args):
+            hosts, source, more = hosts_from_scheduler(environ)
     except ValueError as error:
         parser.error(str(error))
     except OSError as error:
-        parser.error(f"--hostfile {args.hostfile}: {error.strerror}")
+        parser.error(f"--hostfile {args.hostfile}: {error.strerror}" if given_hosts
+                     else str(error))
     slots = sum(count for _, count in hosts)
     if hosts and args.nprocs > slots:
-        parser.error(f"-np {args.nprocs} needs {args.nprocs} slots but the hosts give "
-                     f"{slots}; add slots (host:N) or start fewer ranks")
+        parser.error(f"-np {args.nprocs} needs {args.nprocs} slots but {source} give"
+                     f"{'' if source == 'the hosts' else 's'} {slots}; {more} or start "
+                     "fewer ranks")
     variables = setting_variables(args)
     check_settings(parser, variables, {**environ, **variables})
     if mpirun is None:
@@ -83,8 +95,14 @@ def main(argv=None, environ=None):
         check_program(parser, args.command, env)
     line = mpirun_command(mpirun, flavor, args, hosts, env)
     if args.dry_run:
-        print(shown(line, env, environ))
+        print("\n".join(placement(hosts, args.nprocs) + [shown(line, env, environ)]))
         return 0
+    missing = unresolved(hosts, args.wait_for_hosts)
+    if missing:
+        parser.exit(2, f"mpitrainrun: {', '.join(missing)} did not resolve to an address "
+                       f"in {args.wait_for_hosts:g} s (--wait-for-hosts): check the name"
+                       f"{'s' if len(missing) > 1 else ''} in {source}, and that "
+                       "the hosts are up\n")
     warn_before_start(env, environ, hosts, args.nprocs)
     if args.verbose:
         warn(f"{flavor} launcher {mpirun}")
