@@ -3,6 +3,7 @@ every mistake gets a message that says what to type or install."""
 
 import ast
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -16,7 +17,8 @@ import pytest
 import mpitrain
 from mpitrain.launcher import output, run
 from mpitrain.launcher.hosts import cores
-from tests.mpi_harness import ROOT, failed_to_start, job_environment, kill_session
+from tests.mpi_harness import (ROOT, failed_to_start, job_environment, kill_session,
+                               mpirun_command)
 from tests.test_layering import _imported_names as imported_names
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "mpitrainrun")
@@ -253,6 +255,99 @@ def test_a_line_after_open_mpis_nul_byte_keeps_its_rank_tag():
     assert passage.line(b"[1,2]<stderr>: \0mpitrain: rank 2 of 3 failed\n") == [
         b"[1,2]<stderr>: mpitrain: rank 2 of 3 failed\n"]
     assert passage.line(b"[1,2]<stderr>: \0") == []
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_ranks_that_fail_together_each_show_their_traceback_in_one_piece(nprocs):
+    """Every rank raises at once, its traceback longer than the 4 KiB pieces
+    Open MPI forwards; in 15 of 16 runs of 2 ranks their tracebacks came out
+    interleaved, and now and then with an untagged libevent warning."""
+    script = os.path.join("tests", "scripts", "ranks_fail_together.py")
+    together = 0
+    for _ in range(6):
+        job = launch(["-np", str(nprocs), sys.executable, script])
+        assert job.returncode == 1, job.stderr
+        lines = job.stderr.splitlines()
+        assert not [line for line in lines if not TAG.match(line)
+                    and not line.startswith("mpitrainrun: ")], job.stderr
+        # Each rank's lines in one block: its line, then all the lines it
+        # announced. A rank that the first abort ended before it raised has none.
+        ranks = [TAG.match(line).group(1) for line in lines if TAG.match(line)]
+        blocks = [rank for rank, _ in itertools.groupby(ranks)]
+        assert len(blocks) == len(set(blocks)), job.stderr
+        together += len(blocks) > 1
+        for rank in blocks:
+            block = [TAG.sub("", line) for line in lines if line.startswith(f"[1,{rank}]")]
+            follow = int(re.search(r"Its traceback, (\d+) lines:$", block[0]).group(1))
+            assert len(block) == 1 + follow > 100, job.stderr
+            assert block[1] == "Traceback (most recent call last):"
+            assert block[-1] == (f"RuntimeError: rank {rank}'s batch is corrupt "
+                                 "(raised on purpose)")
+        assert re.fullmatch(r"mpitrainrun: rank \d failed with .* \(tracebacks? above\); "
+                            r"the job ended with exit code 1", lines[-1]), job.stderr
+    assert together, "no two ranks failed in the same run"
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_under_plain_mpirun_a_short_traceback_comes_in_one_piece(nprocs):
+    """A rank writes its line and a traceback under 4 KiB in one write, which
+    Open MPI forwards as one piece; Python wrote it a line at a time, and
+    plain mpirun interleaved two ranks' tracebacks in 10 of 16 runs."""
+    command = mpirun_command(nprocs, ["--tag-output"]) + [
+        sys.executable, os.path.join("tests", "scripts", "ranks_fail_together.py"), "4"]
+    together = 0
+    for _ in range(6):
+        job = subprocess.run(command, cwd=ROOT, env=job_environment(), capture_output=True,
+                             text=True, timeout=120)
+        assert job.returncode == 1, job.stderr
+        lines = job.stderr.splitlines()
+        starts = [number for number, line in enumerate(lines)
+                  if re.search(r"<stderr>: mpitrain: rank \d of", line)]
+        together += len(starts) > 1
+        for start in starts:
+            rank = TAG.match(lines[start]).group(1)
+            follow = int(re.search(r"Its traceback, (\d+) lines:$", lines[start]).group(1))
+            block = lines[start + 1:start + 1 + follow]
+            assert all(line.startswith(f"[1,{rank}]<stderr>: ") for line in block), job.stderr
+            assert block[-1].endswith(f"RuntimeError: rank {rank}'s batch is corrupt "
+                                      "(raised on purpose)"), job.stderr
+    assert together, "no two ranks failed in the same run"
+
+
+def test_a_box_that_cuts_a_ranks_line_in_two_leaves_the_line_whole():
+    """Open MPI forwards a long traceback in pieces of 4 KiB; its MPI_ABORT
+    box came once between two pieces, in the middle of a line, and the line's
+    rest after the box and its NUL (as here, from a run of the test of ranks
+    that fail together)."""
+    passage = output.Passage(tagged=True, drop_notices=False, show_boxes=False)
+    rule = b"-" * 74
+    lines = [b"[1,0]<stderr>:   File \"train.py\", line 17," + rule + b"\n",
+             b"[1,1]<stderr>: Traceback (most recent call last):\n",
+             b"[1,0]<stderr>: MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n",
+             b"[1,0]<stderr>:   Proc: [[43284,1],0]\n",
+             b"[1,0]<stderr>: " + rule + b"\n",
+             b"[1,0]<stderr>: \0 in load_batch\n"]
+    assert [shown for line in lines for shown in passage.line(line)] + passage.end() == [
+        b"[1,1]<stderr>: Traceback (most recent call last):\n",
+        b"[1,0]<stderr>:   File \"train.py\", line 17, in load_batch\n"]
+    assert passage.sentences == ["rank 0 called MPI_Abort"]
+
+
+def test_a_nul_byte_a_rank_wrote_last_leaves_the_next_ranks_line_its_own_tag():
+    """A rank's NUL byte comes without a line end when the rank ended right
+    after it; the next rank's line then follows it in the same line."""
+    passage = output.Passage(tagged=True, drop_notices=False, show_boxes=False)
+    assert passage.line(b"[1,0]<stderr>: \0[1,2]<stderr>: Traceback\n") == [
+        b"[1,2]<stderr>: Traceback\n"]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_libevents_warning_as_the_ranks_are_ended_shows_only_with_verbose(verbose):
+    warning = (b"[warn] Epoll MOD(4) on fd 21 failed. Old events were 6; read change was "
+               b"2 (del); write change was 0 (none); close change was 0 (none): Bad file "
+               b"descriptor\n")
+    passage = output.Passage(tagged=True, drop_notices=False, show_boxes=verbose)
+    assert passage.line(warning) == ([warning] if verbose else [])
 
 
 def test_verbose_shows_open_mpis_own_messages_before_the_line_on_how_the_job_ended(

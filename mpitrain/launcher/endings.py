@@ -12,6 +12,14 @@ remote host, ...) tells the user what to do, and goes through as it is.
 
 import re
 
+# What libevent, inside Open MPI's launcher, prints now and then as the
+# ranks of a failed job are ended: the pipe of a rank's output was closed
+# under its event loop. It says nothing about the job, and comes without a
+# rank tag ("[warn] Epoll MOD(4) on fd 21 failed. Old events were 6; read
+# change was 2 (del); ...: Bad file descriptor"). Held back as the boxes are.
+EVENT_LOOP_WARNING = re.compile(
+    rb"^\[warn\] Epoll (ADD|MOD|DEL)\(\d+\) on fd \d+ failed\..*: Bad file descriptor\r?\n?$")
+
 # The frame of Open MPI's help messages (its show_help).
 RULE = b"-" * 74
 

@@ -6,6 +6,12 @@ which under Open MPI waits for every rank. The job then holds its machines
 until someone kills it. Like ``python -m mpi4py``, mpitrain prints the error
 with the rank and calls MPI_Abort, after which the launcher ends every rank.
 
+The rank's line and its traceback go out in one write, and that line says
+how many lines of traceback follow: two ranks that fail at once would
+otherwise interleave their tracebacks line by line, and Open MPI forwards a
+rank's output in pieces of 4 KiB, so mpitrainrun keeps a rank's lines
+together by that count (launcher/output.py).
+
 init() installs this once per process (MPITRAIN_ABORT_ON_EXCEPTION=0 turns it
 off). It wraps the hooks already in place, so their output still appears, and
 it leaves alone single-rank jobs, interactive sessions (where an exception
@@ -13,7 +19,9 @@ does not end the program), SystemExit, and processes forked from the rank
 (data loader workers), which must not abort their parent's job.
 """
 
+import io
 import os
+import re
 import socket
 import sys
 import threading
@@ -21,6 +29,10 @@ import threading
 from mpitrain.runtime import launch_report
 
 _installed_in = None        # pid of the process whose hooks are ours
+
+# The end of the line a failed rank writes first, with the number of lines
+# of its traceback that come after it.
+TRACEBACK_FOLLOWS = re.compile(r"\. Its traceback, (\d+) lines?:$")
 
 
 def abort_on_unhandled_exceptions(enabled):
@@ -39,8 +51,7 @@ def abort_on_unhandled_exceptions(enabled):
         if args.exc_type is SystemExit or os.getpid() != _installed_in:
             return previous(args)
         name = args.thread.name if args.thread is not None else "?"
-        _announce(f" in thread '{name}'")
-        previous(args)
+        _report(f" in thread '{name}'", lambda: previous(args))
         _abort()
 
     threading.excepthook = thread_hook
@@ -50,21 +61,40 @@ def _aborting(previous, where):
     def hook(kind, value, traceback):
         if os.getpid() != _installed_in:
             return previous(kind, value, traceback)
-        _announce(where)
-        previous(kind, value, traceback)
+        _report(where, lambda: previous(kind, value, traceback))
         _abort()
     return hook
 
 
-def _announce(where):
+def _report(where, print_traceback):
+    """Write the rank's line and what print_traceback (the hook before ours)
+    writes to sys.stderr, in one write."""
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     launch_report.copy_stderr(world.Get_rank())
-    sys.stderr.write(
-        f"mpitrain: rank {world.Get_rank()} of {world.Get_size()} (host "
-        f"{socket.gethostname()}, pid {os.getpid()}) failed with an unhandled "
-        f"exception{where}; aborting the MPI job so that the other ranks do not "
-        "wait for it forever (MPITRAIN_ABORT_ON_EXCEPTION=0 turns this off):\n")
+    stream, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        print_traceback()
+    finally:
+        printed, sys.stderr = sys.stderr.getvalue(), stream
+        if printed and not printed.endswith("\n"):
+            printed += "\n"
+        lines = printed.count("\n")
+        follows = f". Its traceback, {lines} line{'s' * (lines != 1)}:" if lines else "."
+        stream.write(
+            f"mpitrain: rank {world.Get_rank()} of {world.Get_size()} (host "
+            f"{socket.gethostname()}, pid {os.getpid()}) failed with an unhandled "
+            f"exception{where}; aborting the MPI job so that the other ranks do not "
+            f"wait for it forever (MPITRAIN_ABORT_ON_EXCEPTION=0 turns this off)"
+            f"{follows}\n{printed}")
+
+
+def traceback_lines(line):
+    """How many lines of traceback follow ``line`` (a rank's, without its
+    tag), if it is the line a failed rank writes first; else None."""
+    found = TRACEBACK_FOLLOWS.search(line.rstrip("\r\n")) if line.startswith(
+        "mpitrain: rank ") else None
+    return int(found.group(1)) if found else None
 
 
 def _abort():
