@@ -142,10 +142,14 @@ fi
 stage "base image $base"
 if "${engine_[@]}" image inspect "$base" > /dev/null 2>&1; then
     echo "found in $engine's storage"
-elif timeout 600 "${engine_[@]}" pull "docker.io/library/$base" 2>&1 | tail -n 3; then
+elif pulled=$(timeout 600 "${engine_[@]}" pull "docker.io/library/$base" 2>&1); then
+    tail -n 3 <<< "$pulled"
     [ "$engine" = docker ] || "${engine_[@]}" tag "docker.io/library/$base" "$base"
 else
-    echo "no registry: making it with debootstrap ($suite, $mirror)"
+    # Expected where no registry can be reached (the development machines):
+    # the way taken first, then why, in the engine's words less its "Error: ".
+    echo "no registry to pull it from: making it with debootstrap ($suite, $mirror)"
+    echo "($engine pull: $(tail -n 1 <<< "$pulled" | sed 's/^Error: //'))"
     command -v debootstrap > /dev/null && [ "$(id -u)" = 0 ] \
         || die "no $base to pull, and making it needs root and debootstrap" \
                "(on Debian, as root: docker/install-engine.sh)"

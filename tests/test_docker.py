@@ -147,3 +147,38 @@ def test_every_package_the_image_installs_resolves_with_pip(tmp_path, dockerfile
         assert resolved[name] == version, (name, resolved.get(name))
     for name in installed:
         assert name in resolved, sorted(resolved)
+
+
+def test_where_no_registry_answers_the_script_says_it_makes_the_base_first(tmp_path):
+    """An engine whose pull fails as podman's does on a machine that reaches
+    no registry (its message copied from such a run): the script says it makes
+    the base with debootstrap first, and the word Error, for a way it expects
+    to take, not at all. It ran `pull | tail -n 3` before, which printed
+    "Error: initializing source ..." first."""
+    engine = tmp_path / "bin" / "docker"
+    engine.parent.mkdir()
+    engine.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = pull ]; then\n'
+        '    echo "Trying to pull docker.io/library/python:3.11-slim-bookworm..."\n'
+        '    echo "Error: initializing source docker://python:3.11-slim-bookworm: pinging '
+        'container registry registry-1.docker.io: Get \\"https://registry-1.docker.io/v2/\\": '
+        'dial tcp: lookup registry-1.docker.io on 10.255.255.53:53: no such host" >&2\n'
+        "    exit 125\n"
+        "fi\n"
+        "exit 1\n")                     # no image to inspect; the import fails, ending the run
+    engine.chmod(0o755)
+    (tmp_path / "base-bookworm.tar").touch()    # debootstrap's result, so that it is not run
+    result = subprocess.run(
+        [os.path.join(ROOT, "docker", "build-and-run-locally.sh")], capture_output=True,
+        text=True, timeout=60,
+        env={**os.environ, "PATH": f"{engine.parent}:{os.environ['PATH']}",
+             "MPITRAIN_CONTAINER_ENGINE": "docker", "MPITRAIN_DOCKER_CACHE": str(tmp_path)})
+    said = (result.stdout + result.stderr).splitlines()
+    (base,) = [number for number, line in enumerate(said) if line.startswith("== base image")]
+    assert said[base + 1].startswith("no registry to pull it from: making it with debootstrap"), said
+    assert said[base + 2] == (
+        "(docker pull: initializing source docker://python:3.11-slim-bookworm: pinging container "
+        'registry registry-1.docker.io: Get "https://registry-1.docker.io/v2/": dial tcp: lookup '
+        "registry-1.docker.io on 10.255.255.53:53: no such host)"), said
+    assert not [line for line in said if "Error" in line], said
