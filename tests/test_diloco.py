@@ -291,3 +291,26 @@ def test_options_that_differ_between_ranks_fail_every_rank_at_construction():
     assert str(caught.value).startswith(
         "inner_steps must be" if r == 1 else
         "DiLoCoOptimizer failed on rank 1: ValueError: inner_steps must be")
+
+
+@mpi_test(np=(4,), timeout=60)
+def test_a_process_set_averages_among_its_members_only():
+    """Ranks 0 and 1 run DiLoCo together; ranks 2 and 3, outside the set,
+    step the plain inner optimizer."""
+    r = hvd.rank()
+    pair = hvd.add_process_set([0, 1])
+    try:
+        model = make_model()
+        optimizer = diloco(model, inner_steps=2, process_set=pair)
+        train(model, optimizer, 4)
+        if r < 2:
+            expected = replay(4, lambda params: torch.optim.SGD(params, lr=0.1), nesterov,
+                              inner_steps=2, workers=[[0], [1]])[-1][r]
+        else:
+            alone = make_model()
+            train(alone, torch.optim.SGD(alone.parameters(), lr=0.1), 4)
+            expected = list(alone.parameters())
+        assert_parameters(model, expected)
+        assert optimizer.exchanges == (2 if r < 2 else 0)
+    finally:
+        hvd.remove_process_set(pair)
