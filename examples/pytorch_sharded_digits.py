@@ -6,8 +6,10 @@ The same data and network as pytorch_digits.py, trained with Adam through
 ShardedOptimizer: each rank keeps Adam's moments for only its share of the
 parameters, updates those, and sends them to the others. The gradients are
 averaged in step(), so no DistributedOptimizer is needed. At the end the
-full optimizer state is saved with the model, loadable into a plain
-torch.optim.Adam.
+full optimizer state is saved with the model, and loaded into a plain
+torch.optim.Adam to show that it fits. Without --checkpoint the file goes
+into a directory made for this run alone (private to its user), deleted at
+the end.
 """
 
 import argparse
@@ -27,13 +29,21 @@ def state_bytes(optimizer):
                for value in state.values() if torch.is_tensor(value))
 
 
+def save_and_reload(path, model, optimizer, epochs):
+    """Save the model and the whole Adam state (rank 0 writes ``path``, and
+    only its path counts), then load them into a plain torch.optim.Adam."""
+    hvd.save_checkpoint(path, model, optimizer, epoch=epochs)
+    plain_model = network()
+    hvd.load_checkpoint(path, plain_model, torch.optim.Adam(plain_model.parameters()))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.001, help="for one rank")
-    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
-                                                             "sharded_digits.pt"))
+    parser.add_argument("--checkpoint", help="where to keep the checkpoint "
+                        "(default: a directory of this run's, deleted at the end)")
     args = parser.parse_args()
 
     hvd.init()
@@ -61,7 +71,12 @@ def main():
             optimizer.step()
         scheduler.step()
 
-    hvd.save_checkpoint(args.checkpoint, model, optimizer, epoch=args.epochs)
+    if args.checkpoint:
+        save_and_reload(args.checkpoint, model, optimizer, args.epochs)
+    else:
+        with tempfile.TemporaryDirectory(prefix="sharded_digits-") as directory:
+            save_and_reload(os.path.join(directory, "checkpoint.pt"), model, optimizer,
+                            args.epochs)
     shares = hvd.allgather_object(state_bytes(optimizer))
     model.eval()
     correct = torch.zeros(2)                   # right answers, test images
@@ -70,8 +85,10 @@ def main():
             correct += torch.tensor([(model(images).argmax(1) == labels).sum(), len(labels)])
     right, seen = hvd.allreduce(correct, op=hvd.Sum, name="test.correct").tolist()
     if hvd.rank() == 0:
+        kept = (f"saved in {args.checkpoint}" if args.checkpoint else
+                "saved and deleted (--checkpoint PATH keeps it)")
         print(f"Adam state per rank: {', '.join(map(str, shares))} bytes "
-              f"(of {sum(shares)}); saved in {args.checkpoint}")
+              f"(of {sum(shares)}), loaded by a plain torch.optim.Adam; {kept}")
         print(f"test accuracy: {right / seen:.2f}")
 
 

@@ -222,3 +222,22 @@ def test_mpitrain_tensorflow_and_hvd_elastic_export_no_helper_modules():
                   if not name.startswith("_") and isinstance(value, types.ModuleType)
                   and not value.__name__.startswith("mpitrain.")]
         assert not leaked, f"{module.__name__} exports {leaked}"
+
+
+def test_the_sharded_example_leaves_another_users_checkpoint_alone_and_its_own_nowhere(
+        tmp_path):
+    # Every run saved /tmp/sharded_digits.pt before: a second user's run
+    # overwrote the first's (or failed, where it could not).
+    others = tmp_path / "sharded_digits.pt"
+    others.write_bytes(b"another user's checkpoint")
+    job = subprocess.run(
+        [os.path.join(VENV_BIN, "mpitrainrun"), "-np", "2", sys.executable,
+         "examples/pytorch_sharded_digits.py", "--epochs", "1"],
+        cwd=ROOT, env=job_environment({"TMPDIR": str(tmp_path)}), capture_output=True,
+        text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert ("loaded by a plain torch.optim.Adam; saved and deleted (--checkpoint PATH "
+            "keeps it)") in job.stdout
+    assert others.read_bytes() == b"another user's checkpoint"
+    assert [name for name in os.listdir(tmp_path) if "sharded_digits" in name] == [
+        "sharded_digits.pt"]
