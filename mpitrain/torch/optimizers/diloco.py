@@ -21,7 +21,7 @@ import torch
 from mpitrain.api.agreement import require_same
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.torch.compression import Compression, choice
-from mpitrain.torch.optimizers.diloco_fragments import Schedule, split_into_fragments
+from mpitrain.torch.optimizers.diloco_fragments import Schedule, form_fragments
 from mpitrain.torch.optimizers.diloco_outer import OuterLoop
 from mpitrain.torch.optimizers.distributed import _DistributedOptimizer
 from mpitrain.torch.optimizers.local_sgd import _LocalSGD
@@ -98,8 +98,10 @@ def DiLoCoOptimizer(optimizer, named_parameters=None, inner_steps=500, outer_opt
         .bf16, .int8, .int4 (or any compressor DistributedOptimizer takes,
         or a choice per parameter name).
     process_set: the ranks that average pseudo-gradients.
-    fragments: F, the parts (contiguous, of about equal size) the model is
-        synced in; fragment f lands after inner steps (f + 1) * H // F + k * H.
+    fragments: F, the parts the model is synced in, fragment f landing
+        after inner steps (f + 1) * H // F + k * H: a count (contiguous parts
+        of about equal size, in the optimizer's order) or the parts
+        themselves, modules or lists of parameters (each trained one once).
     overlap_steps: inner steps a fragment's exchange travels before it is
         applied (0: applied in the step that sends it); less than H // F.
     mixing: the weight of the local parameters when a fragment lands after
@@ -118,7 +120,10 @@ def DiLoCoOptimizer(optimizer, named_parameters=None, inner_steps=500, outer_opt
         names = parameter_names(optimizer.param_groups, named_parameters)
         trained = [p for group in optimizer.param_groups for p in group["params"]
                    if p.requires_grad]
-        _check_arguments(inner_steps, fragments, overlap_steps, mixing, trained)
+        if not trained:
+            raise ValueError("the optimizer trains no parameter (none requires grad)")
+        parts, fragments_setting = form_fragments(fragments, trained, names)
+        _check_arguments(inner_steps, len(parts), overlap_steps, mixing)
         if mixing is None:
             mixing = 0.5 if overlap_steps else 0.0
         if outer_optimizer is None:
@@ -126,8 +131,7 @@ def DiLoCoOptimizer(optimizer, named_parameters=None, inner_steps=500, outer_opt
         _check_outer(outer_optimizer, trained, names)
         wire_names = {p: f"DiLoCoOptimizer.{names[p]}" for p in trained}
         cast, chosen = choice.split(compression, trained, names)
-        parts = split_into_fragments(trained, fragments)
-        settings = {"inner_steps": inner_steps, "fragments": fragments,
+        settings = {"inner_steps": inner_steps, "fragments": fragments_setting,
                     "overlap_steps": overlap_steps, "mixing": float(mixing),
                     "compression": repr(cast)}
         settings.update({("compressor", names[p]): repr(chosen[p]) if p in chosen
@@ -150,7 +154,7 @@ def DiLoCoOptimizer(optimizer, named_parameters=None, inner_steps=500, outer_opt
     else:
         wrapped = rewrapped(optimizer, _DiLoCo)
     wrapped._diloco = OuterLoop(trained, parts, names, outer_optimizer,
-                                Schedule(inner_steps, fragments, overlap_steps), mixing,
+                                Schedule(inner_steps, len(parts), overlap_steps), mixing,
                                 cast, chosen, wire_names, process_set)
     return wrapped
 
@@ -159,12 +163,13 @@ def _whole(value, at_least):
     return not isinstance(value, bool) and isinstance(value, int) and value >= at_least
 
 
-def _check_arguments(inner_steps, fragments, overlap_steps, mixing, trained):
+def _check_arguments(inner_steps, fragments, overlap_steps, mixing):
+    """fragments: how many there are."""
     if not _whole(inner_steps, 1):
         raise ValueError(f"inner_steps must be a whole number >= 1, got {inner_steps!r}")
-    if not _whole(fragments, 1) or fragments > inner_steps:
-        raise ValueError("fragments must be a whole number from 1 to inner_steps "
-                         f"({inner_steps}), got {fragments!r}")
+    if fragments > inner_steps:
+        raise ValueError(f"{fragments} fragments cannot each sync once in inner_steps "
+                         f"({inner_steps}) steps: at most one fragment lands a step")
     if not _whole(overlap_steps, 0) or overlap_steps >= inner_steps // fragments:
         raise ValueError("overlap_steps must be a whole number >= 0 and less than "
                          f"inner_steps // fragments ({inner_steps // fragments}), so that "
@@ -172,8 +177,6 @@ def _check_arguments(inner_steps, fragments, overlap_steps, mixing, trained):
     if mixing is not None and (isinstance(mixing, bool) or not isinstance(mixing, (int, float))
                                or not 0 <= mixing <= 1):
         raise ValueError(f"mixing must be a number from 0 to 1, got {mixing!r}")
-    if not trained:
-        raise ValueError("the optimizer trains no parameter (none requires grad)")
 
 
 def _check_outer(outer_optimizer, trained, names):

@@ -18,6 +18,35 @@ from mpitrain.torch.ops import grouped_allreduce_async_
 EXCHANGE_NAME = "DiLoCoOptimizer.fragment"
 
 
+def form_fragments(fragments, parameters, names):
+    """(the fragments as lists of parameters, what the ranks compare of them).
+
+    fragments: a count, split by split_into_fragments, or the fragments
+    themselves in the order they sync: modules or lists of parameters,
+    holding every trained parameter once (as torchft's DiLoCo takes modules).
+    """
+    wrong = ("fragments must be a whole number >= 1, or modules or lists of parameters "
+             f"holding each trained parameter once; got {fragments!r}")
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        if fragments < 1:
+            raise ValueError(wrong)
+        return split_into_fragments(parameters, fragments), fragments
+    try:
+        parts = [list(part.parameters() if isinstance(part, torch.nn.Module) else part)
+                 for part in fragments]
+    except TypeError:
+        raise ValueError(wrong) from None
+    placed = [id(p) for part in parts for p in part]
+    trained = {id(p) for p in parameters}
+    if not parts or not all(parts) or len(placed) != len(set(placed)) \
+            or set(placed) != trained:
+        missing = [names[p] for p in parameters if id(p) not in set(placed)]
+        raise ValueError(wrong if not missing else
+                         f"fragments leave out {', '.join(missing)}: every trained "
+                         "parameter belongs to one fragment")
+    return parts, [[names[p] for p in part] for part in parts]
+
+
 def split_into_fragments(parameters, count):
     """``parameters`` (in order) as ``count`` contiguous lists of about equal
     element counts, each non-empty; the same on every rank for the same model."""
