@@ -298,21 +298,24 @@ def test_load_state_dict_refuses_a_state_of_other_shapes_on_every_rank():
 
 @mpi_test(np=(2, 3))
 def test_a_local_update_that_fails_on_its_rank_fails_the_step_on_every_rank():
-    """The owner of parameter 0 steps with moments of a wrong shape (flat,
-    which load_state_dict leaves to the step); the other ranks waited for
-    its parameters in the allgather until the stall shutdown."""
-    model = make_model(3)
-    sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01)
-    train_step(model, sharded, 0)
-    state = sharded.full_state_dict()
-    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].reshape(-1)
-    sharded.load_state_dict(state)
-    with pytest.raises(hvd.HorovodInternalError,
-                       match=r"allgather of 'ShardedOptimizer\.parameters.* failed on rank "
-                             r"\d: ShardedOptimizer\.step\(\) raised RuntimeError"):
-        train_step(model, sharded, 1)
-    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.the.failed.step") == \
-        hvd.size()
+    """The owner of parameter 0 (stage 1), or of a slice of it (stage 2),
+    steps with a moment of a wrong shape (flat and one element short, which
+    load_state_dict leaves to the step); the other ranks waited for its
+    parameters in the allgather until the stall shutdown."""
+    for stage, name in ((1, r"parameters_0of1"), (2, r"parameters\.\d+ \(parameters \d+\.\.")):
+        model = make_model(3)
+        sharded = hvd.ShardedOptimizer(torch.optim.AdamW, model.parameters(), lr=0.01,
+                                       stage=stage)
+        train_step(model, sharded, 0)
+        state = sharded.full_state_dict()
+        state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].reshape(-1)[1:]
+        sharded.load_state_dict(state)
+        with pytest.raises(hvd.HorovodInternalError,
+                           match=rf"allgather of 'ShardedOptimizer\.{name}.* failed on rank "
+                                 r"\d: ShardedOptimizer\.step\(\) raised RuntimeError"):
+            train_step(model, sharded, 1)
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.the.failed.step") == \
+            hvd.size()
 
 
 @mpi_test(np=(2, 3))
