@@ -14,8 +14,8 @@ import sys
 
 # The versions the README installs and CI tests; tests/test_first_day.py
 # checks that the README gives these same commands.
-INSTALL_TORCH = ("pip install torch==2.13.0 "
-                 "--index-url https://download.pytorch.org/whl/cpu")
+INSTALL_TORCH = ("pip install torch==2.13.0+cpu "
+                 "--extra-index-url https://download.pytorch.org/whl/cpu")
 INSTALL_TENSORFLOW = "pip install tensorflow-cpu==2.21.0"
 
 
