@@ -32,8 +32,9 @@ ADAPTER_DOOR = {"api", "backends"} | VOCABULARY
 # buckets; its variant local_sgd.py over it. Higher imports only lower, so
 # the circle distributed <-> adasum cannot come back.
 OPTIMIZERS = os.path.join(PACKAGE, "torch", "optimizers")
-OPTIMIZER_LEVELS = {"__init__": 4, "local_sgd": 3, "distributed": 2, "reducer": 1,
-                    "adasum": 1, "parameter_names": 0, "buckets": 0, "sharded": 0}
+OPTIMIZER_LEVELS = {"__init__": 5, "diloco": 4, "local_sgd": 3, "distributed": 2,
+                    "reducer": 1, "adasum": 1, "diloco_outer": 1, "parameter_names": 0,
+                    "buckets": 0, "sharded": 0, "diloco_fragments": 0}
 
 
 def _sources():
