@@ -9,7 +9,10 @@ written, so a system Slurm, if any, is left alone:
     with one_machine_slurm() as slurm:
         code, output = slurm.batch("mpitrainrun -np 2 python train.py", tasks=2)
 
-Leaving the block stops the daemons by their pid files and removes the folder.
+Leaving the block ends every process started with this Slurm's
+configuration (the daemons, slurmstepd, the jobs' processes: their
+environment names it) and removes the folder; a set-up first does the same
+for what a process no longer alive left behind.
 """
 
 import contextlib
@@ -24,6 +27,7 @@ import time
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scancel",
             "sinfo", "scontrol")
 START_TIMEOUT = 30
+PREFIX = "mpitrain-slurm-"
 
 
 class SlurmUnavailable(RuntimeError):
@@ -39,7 +43,7 @@ class Slurm:
         self.cpus = cpus
         self.conf = os.path.join(directory, "slurm.conf")
         self.munge_socket = os.path.join(directory, "munge", "munge.socket")
-        self.pids = {}          # daemon -> its pid file
+        self.jobs = 0
 
     def environment(self, extra=()):
         """The environment of a Slurm client (sbatch, srun, scontrol) of this Slurm."""
@@ -50,8 +54,7 @@ class Slurm:
         tasks on this node and wait for it; returns (the job's exit code, its
         stdout and stderr). A job still running after ``timeout`` seconds is
         cancelled, and TimeoutError raised."""
-        number = len([name for name in os.listdir(self.directory)
-                      if name.startswith("job")])
+        number, self.jobs = self.jobs, self.jobs + 1
         script = os.path.join(self.directory, f"job{number}.sh")
         output = os.path.join(self.directory, f"job{number}.out")
         with open(script, "w") as lines:
@@ -107,7 +110,8 @@ def one_machine_slurm():
     reason = unavailable()
     if reason:
         raise SlurmUnavailable(reason)
-    directory = tempfile.mkdtemp(prefix="mpitrain-slurm-")
+    _remove_leftovers()
+    directory = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
     slurm = Slurm(directory, socket.gethostname(), os.cpu_count() or 1)
     try:
         _start_munge(slurm)
@@ -118,7 +122,7 @@ def one_machine_slurm():
         _wait_for_idle_node(slurm)
         yield slurm
     finally:
-        _stop(slurm)
+        _end_processes(slurm.conf)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -135,8 +139,7 @@ def _start_munge(slurm):
         "munged", f"--socket={slurm.munge_socket}", f"--key-file={key}",
         f"--pid-file={os.path.join(folder, 'munged.pid')}",
         f"--log-file={os.path.join(folder, 'munged.log')}",
-        f"--seed-file={os.path.join(folder, 'munged.seed')}"],
-        pid_file=os.path.join(folder, "munged.pid"))
+        f"--seed-file={os.path.join(folder, 'munged.seed')}"])
 
 
 def _free_ports(count):
@@ -186,10 +189,9 @@ def _write_configuration(slurm):
         conf.writelines(f"{key}={value}\n" for key, value in lines.items())
 
 
-def _start(slurm, daemon, command, pid_file=None):
-    """Start a daemon (it forks into the background); note its pid file."""
-    pid_file = pid_file or os.path.join(slurm.directory, f"{daemon}.pid")
-    slurm.pids[daemon] = pid_file
+def _start(slurm, daemon, command):
+    """Start a daemon (it forks into the background) with this Slurm's
+    environment, by which _end_processes finds it."""
     result = subprocess.run(command, env=slurm.environment(), capture_output=True,
                             text=True, timeout=START_TIMEOUT)
     if result.returncode:
@@ -222,20 +224,42 @@ def _log_tail(slurm, daemon):
         return ""
 
 
-def _stop(slurm):
-    """SIGTERM each daemon by its pid file, the last started first, and wait for it."""
-    for daemon, pid_file in reversed(list(slurm.pids.items())):
-        try:
-            pid = int(open(pid_file).read())
-        except (OSError, ValueError):
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+def _end_processes(conf):
+    """SIGTERM every process whose environment names ``conf``, SIGKILL
+    those still there after a few seconds (slurmstepd of a stuck step)."""
+    marker = f"SLURM_CONF={conf}".encode()
+    for number in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + 5
+        pids = _started_with(marker)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, number)
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+
+
+def _started_with(marker):
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as environ:
+                    if marker in environ.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def _remove_leftovers():
+    """End and remove the Slurms of set-ups whose process is gone."""
+    scratch = tempfile.gettempdir()
+    for name in os.listdir(scratch):
+        owner = name[len(PREFIX):].split("-")[0]
+        if name.startswith(PREFIX) and owner.isdigit() and not _alive(int(owner)):
+            folder = os.path.join(scratch, name)
+            _end_processes(os.path.join(folder, "slurm.conf"))
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _alive(pid):
