@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from mpitrain.launcher import check_build, run
+from mpitrain.launcher import check_build, endings, run
 from tests.mpi_harness import ROOT, job_environment, mpi_test
 
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -242,3 +242,31 @@ def test_the_sharded_example_leaves_another_users_checkpoint_alone_and_its_own_n
     assert others.read_bytes() == b"another user's checkpoint"
     assert [name for name in os.listdir(tmp_path) if "sharded_digits" in name] == [
         "sharded_digits.pt"]
+
+
+def test_a_keras_example_without_tensorflow_says_what_installs_it():
+    # The README's first command installs no TensorFlow; the Keras examples
+    # then ended with "rank 1 exited with code 1" after the traceback of
+    # `import keras`, and no word on what to install. Python without its
+    # site-packages (-S) has no keras either.
+    job = subprocess.run(
+        [os.path.join(VENV_BIN, "mpitrainrun"), "-np", "2", sys.executable, "-S",
+         "examples/keras_digits.py"],
+        cwd=ROOT, env=job_environment(), capture_output=True, text=True, timeout=120)
+    assert job.returncode == 1
+    assert "ModuleNotFoundError: No module named 'keras'" in job.stderr
+    assert job.stderr.splitlines()[-1].endswith(
+        "; keras is not installed here: it comes with TensorFlow (pip install "
+        "tensorflow-cpu==2.21.0; docs/installing.md); the job ended with exit code 1"), job.stderr
+
+
+def test_a_module_missing_after_init_gets_the_same_word_on_what_installs_it():
+    # A rank that imports torch only after init() fails through mpitrain's
+    # hook, and its report names the exception.
+    report = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+              "    import torch\nModuleNotFoundError: No module named 'torch'\n")
+    assert endings.summary(1, {1: report}, []) == (
+        "rank 1 failed with ModuleNotFoundError: No module named 'torch' (traceback above); "
+        "torch is not installed here: it comes with PyTorch (pip install torch==2.13.0+cpu "
+        "--extra-index-url https://download.pytorch.org/whl/cpu; docs/installing.md); the job "
+        "ended with exit code 1")

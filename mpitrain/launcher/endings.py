@@ -12,6 +12,8 @@ remote host, ...) tells the user what to do, and goes through as it is.
 
 import re
 
+from mpitrain.launcher.check_build import INSTALL_TENSORFLOW, INSTALL_TORCH
+
 # What libevent, inside Open MPI's launcher, prints now and then as the
 # ranks of a failed job are ended: the pipe of a rank's output was closed
 # under its event loop. It says nothing about the job, and comes without a
@@ -85,6 +87,30 @@ def raised(report):
     return lines[-1]
 
 
+# A rank's "ModuleNotFoundError: No module named 'keras'", and what brings
+# each module the examples import (the README's first command installs no
+# TensorFlow, and the Keras examples stopped there without a word on it).
+MISSING_MODULE = re.compile(r"^ModuleNotFoundError: No module named '(?P<module>\w+)")
+BROUGHT_BY = {
+    "keras": ("TensorFlow", INSTALL_TENSORFLOW),
+    "tensorflow": ("TensorFlow", INSTALL_TENSORFLOW),
+    "torch": ("PyTorch", INSTALL_TORCH),
+    "sklearn": ("the examples extra", "pip install -c constraints.txt -e '.[examples]'"),
+    "tqdm": ("the examples extra", "pip install -c constraints.txt -e '.[examples]'"),
+}
+
+
+def what_installs(line):
+    """For a rank's line saying a module the examples use is missing, a
+    sentence on what installs it; else None."""
+    found = MISSING_MODULE.match(line)
+    if found is None or found.group("module") not in BROUGHT_BY:
+        return None
+    what, install = BROUGHT_BY[found.group("module")]
+    return (f"{found.group('module')} is not installed here: it comes with {what} "
+            f"({install}; docs/installing.md)")
+
+
 def ranks_text(ranks):
     """[1] -> 'rank 1', [0, 2, 3] -> 'ranks 0, 2 and 3'."""
     if len(ranks) == 1:
@@ -109,6 +135,8 @@ def summary(code, reports, sentences, most=3):
             causes = causes[:most] + [f"{left} more ranks failed too"]
         cause = "; ".join(causes) + (" (traceback above)" if len(reports) == 1
                                      else " (tracebacks above)")
+        cause = "; ".join([cause] + list(dict.fromkeys(
+            filter(None, map(what_installs, failed)))))
     else:
         cause = "; ".join(dict.fromkeys(sentences))
     return f"{cause}; the job ended with exit code {code}" if cause else \

@@ -52,7 +52,8 @@ def signals_handled_by(handler):
 def run(line, env, tagged, verbose, abandon=None):
     """Run mpirun with its output through output.py; returns its exit code
     (128 + N if signal N ended it or mpitrainrun) and what Open MPI's boxes
-    said about how the job ended (None if a signal to mpitrainrun ended it).
+    said about how the job ended, then what installs the modules the ranks
+    found missing (None if a signal to mpitrainrun ended it).
     Setting ``abandon`` (a threading.Event) ends mpirun."""
     out = output.Passage(tagged, drop_notices=False, show_boxes=verbose)
     err = output.Passage(tagged, drop_notices=quiet.wanted(env), show_boxes=verbose)
@@ -89,7 +90,7 @@ def run(line, env, tagged, verbose, abandon=None):
         thread.join(timeout=5)
     if received:
         return 128 + received[0], None
-    return 128 - code if code < 0 else code, out.sentences + err.sentences
+    return 128 - code if code < 0 else code, out.sentences + err.sentences + err.installs
 
 
 def wait_unless(process, abandon):

@@ -18,6 +18,9 @@ Both of mpirun's streams come through mpitrainrun, taken apart into lines
   prints as one line at the end; so go the tagged NUL byte Open MPI writes
   into the stderr of a rank that aborts, and libevent's warning about a
   rank's pipe closed under it as the job ends.
+- A rank's "ModuleNotFoundError: No module named 'keras'" (of a module the
+  examples use) is read into a sentence on what installs it, which the line
+  at the end adds.
 
 A box is recognized by its rule and first line, so a rank's own line of 74
 dashes waits for that rank's next line on the same stream before it is shown.
@@ -42,6 +45,7 @@ class Passage:
         self.drop_notices = drop_notices
         self.show_boxes = show_boxes
         self.sentences = []         # what the boxes held back said
+        self.installs = []          # what installs the modules ranks found missing
         self.boxes = {}             # rank tag -> the lines of a box being read
         self.tracebacks = {}        # rank tag -> [lines still to come, lines held]
         self.unfinished = {}        # rank tag -> the start of a line a box cut
@@ -61,6 +65,9 @@ class Passage:
             return []
         if not self.show_boxes and endings.EVENT_LOOP_WARNING.match(text):
             return []
+        install = endings.what_installs(text.decode(errors="replace"))
+        if install is not None and install not in self.installs:
+            self.installs.append(install)
         ended = text.rstrip(b"\r\n")
         if tag and ended.endswith(endings.RULE) and ended != endings.RULE:
             # A box came in the middle of the rank's line (Open MPI forwarded
