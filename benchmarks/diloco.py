@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "examples"))
 from pytorch_digits import datasets, network  # noqa: E402
 from pytorch_local_sgd_digits import nbytes  # noqa: E402
+from local_sgd import accuracy, span  # noqa: E402  (benchmarks/local_sgd.py)
 
 BATCH, LR = 32, 1e-3
 MODES = ("synchronous", "DiLoCo", "streaming int8", "local SGD")
@@ -108,22 +109,6 @@ def mean_loss(model, train_set):
             total += torch.tensor([loss.item(), len(labels)], dtype=torch.float64)
     loss_sum, seen = hvd.allreduce(total, op=hvd.Sum, name="benchmark.loss").tolist()
     return loss_sum / seen
-
-
-def accuracy(model, test_set):
-    shard = Subset(test_set, range(hvd.rank(), len(test_set), hvd.size()))
-    correct = torch.zeros(2)
-    with torch.no_grad():
-        for images, labels in DataLoader(shard, batch_size=256):
-            correct += torch.tensor([(model(images).argmax(1) == labels).sum(), len(labels)])
-    right, seen = hvd.allreduce(correct, op=hvd.Sum, name="benchmark.correct").tolist()
-    return right / seen
-
-
-def span(values, form):
-    low, high = min(values), max(values)
-    return form.format(low) if form.format(low) == form.format(high) \
-        else f"{form.format(low)}-{form.format(high)}"
 
 
 def main():

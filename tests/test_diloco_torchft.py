@@ -7,12 +7,8 @@ DiLoCo makes, with each allreduce an mpitrain Average. What is compared is
 torchft's algorithm: its schedule of fragments, its outer step from the
 backed-up parameters, its merging of local and global parameters.
 
-torchft is not among the test requirements; to run this::
-
-    pip install -c constraints.txt --no-deps --target /tmp/torchft torchft
-    pip install -c constraints.txt --target /tmp/torchft-deps opentelemetry-sdk \\
-        opentelemetry-exporter-otlp-proto-http
-    PYTHONPATH=/tmp/torchft:/tmp/torchft-deps python -m pytest tests/test_diloco_torchft.py
+torchft comes with the test extras (setup.py); where it is not installed
+the test skips.
 """
 
 import importlib.util
@@ -29,7 +25,7 @@ torch.set_num_threads(1)
 
 def without_torchft(nprocs, env):
     if importlib.util.find_spec("torchft") is None:
-        return "torchft is not installed (see this module's docstring)"
+        return "torchft is not installed (pip install -c constraints.txt torchft)"
     return None
 
 

@@ -29,7 +29,8 @@ ADAPTERS = ("torch", "tensorflow")
 ADAPTER_DOOR = {"api", "backends"} | VOCABULARY
 # Inside torch/optimizers/, as PyTorch's DDP over its Reducer: the facade
 # (distributed.py) over the reducer and Adasum, over the parameter names and
-# buckets; its variant local_sgd.py over it. Higher imports only lower, so
+# buckets; its variant local_sgd.py over it, diloco.py over that (with its
+# diloco_outer.py over diloco_fragments.py). Higher imports only lower, so
 # the circle distributed <-> adasum cannot come back.
 OPTIMIZERS = os.path.join(PACKAGE, "torch", "optimizers")
 OPTIMIZER_LEVELS = {"__init__": 5, "diloco": 4, "local_sgd": 3, "distributed": 2,

@@ -49,7 +49,7 @@ class OuterLoop:
     def before_inner_step(self):
         """Take the global copy before the first inner step changes the
         parameters (after broadcast_parameters, so it is the same everywhere)."""
-        if self.global_copy is None:
+        if self.global_copy is None and self.syncs:
             self.global_copy = {p: p.detach().clone() for p in self.parameters}
 
     def after_inner_step(self):
