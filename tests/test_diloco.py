@@ -264,7 +264,7 @@ def test_bad_options_are_refused_on_every_rank():
             ({"inner_steps": 0}, "inner_steps must be"),
             ({"inner_steps": 2, "fragments": 3}, "fragments cannot each sync once"),
             ({"fragments": [model[0], [model[2].weight]]}, "fragments leave out 2.bias"),
-            ({"fragments": [model[0], model[0], model[2]]}, "each trained parameter once"),
+            ({"fragments": [model[0], model[0], model[2]]}, "fragments hold a parameter twice"),
             ({"inner_steps": 4, "fragments": 2, "overlap_steps": 2}, "overlap_steps must be"),
             ({"mixing": 1.5}, "mixing must be"),
             ({"outer_optimizer": torch.optim.SGD(make_model().parameters(), lr=1)},

@@ -25,25 +25,28 @@ def form_fragments(fragments, parameters, names):
     themselves in the order they sync: modules or lists of parameters,
     holding every trained parameter once (as torchft's DiLoCo takes modules).
     """
-    wrong = ("fragments must be a whole number >= 1, or modules or lists of parameters "
-             f"holding each trained parameter once; got {fragments!r}")
     if isinstance(fragments, int) and not isinstance(fragments, bool):
         if fragments < 1:
-            raise ValueError(wrong)
+            raise ValueError(f"fragments must be a whole number >= 1, got {fragments}")
         return split_into_fragments(parameters, fragments), fragments
     try:
         parts = [list(part.parameters() if isinstance(part, torch.nn.Module) else part)
                  for part in fragments]
     except TypeError:
-        raise ValueError(wrong) from None
+        raise ValueError("fragments must be a whole number >= 1, or modules or lists of "
+                         f"parameters; got a {type(fragments).__name__}") from None
     placed = [id(p) for part in parts for p in part]
     trained = {id(p) for p in parameters}
-    if not parts or not all(parts) or len(placed) != len(set(placed)) \
-            or set(placed) != trained:
-        missing = [names[p] for p in parameters if id(p) not in set(placed)]
-        raise ValueError(wrong if not missing else
-                         f"fragments leave out {', '.join(missing)}: every trained "
+    missing = [names[p] for p in parameters if id(p) not in set(placed)]
+    if missing:
+        raise ValueError(f"fragments leave out {', '.join(missing)}: every trained "
                          "parameter belongs to one fragment")
+    if len(placed) != len(set(placed)):
+        raise ValueError("fragments hold a parameter twice: each trained parameter "
+                         "belongs to one fragment")
+    if set(placed) != trained or not all(parts):
+        raise ValueError("fragments hold a parameter the optimizer does not train, or "
+                         "an empty fragment")
     return parts, [[names[p] for p in part] for part in parts]
 
 
@@ -165,6 +168,7 @@ class Landed:
 
 
 def pseudo_gradients(global_copy, parameters):
-    """global - local for each parameter: the direction the inner steps did not go."""
+    """global - local for each parameter: the inner steps' change with its sign
+    turned, pointing as a gradient does."""
     with torch.no_grad():
-        return torch._foreach_sub([g for g in global_copy], [p.detach() for p in parameters])
+        return torch._foreach_sub(list(global_copy), [p.detach() for p in parameters])
