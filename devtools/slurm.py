@@ -46,8 +46,9 @@ class Slurm:
         self.jobs = 0
 
     def environment(self, extra=()):
-        """The environment of a Slurm client (sbatch, srun, scontrol) of this Slurm."""
-        return {**os.environ, "SLURM_CONF": self.conf, **dict(extra)}
+        """The environment of a Slurm client (sbatch, srun, scontrol) of this
+        Slurm: ``extra`` added, and this Slurm's configuration whatever it says."""
+        return {**os.environ, **dict(extra), "SLURM_CONF": self.conf}
 
     def batch(self, script_body, tasks, timeout=300, env=()):
         """Run ``script_body`` (shell lines) as an sbatch job of ``tasks``
@@ -74,10 +75,10 @@ class Slurm:
                 subprocess.run(["scancel", job], env=self.environment(),
                                capture_output=True)
                 raise TimeoutError(f"job {job} ran longer than {timeout} s:\n"
-                                   + open(output).read()[-3000:])
+                                   + _read(output)[-3000:])
             time.sleep(0.2)
         code, signal_number = map(int, state["ExitCode"].split(":"))
-        return code or (128 + signal_number if signal_number else 0), open(output).read()
+        return code or (128 + signal_number if signal_number else 0), _read(output)
 
     def job_state(self, job):
         """`scontrol show job`'s fields of ``job``: JobState, ExitCode and the rest."""
@@ -85,12 +86,6 @@ class Slurm:
                               env=self.environment(), capture_output=True, text=True,
                               check=True).stdout
         return dict(field.split("=", 1) for field in text.split() if "=" in field)
-
-    def hostnames(self, node_list):
-        """`scontrol show hostnames NODE_LIST`: Slurm's own expansion of a node list."""
-        return subprocess.run(["scontrol", "show", "hostnames", node_list],
-                              env=self.environment(), capture_output=True, text=True,
-                              check=True).stdout.split()
 
 
 def unavailable():
@@ -140,6 +135,15 @@ def _start_munge(slurm):
         f"--pid-file={os.path.join(folder, 'munged.pid')}",
         f"--log-file={os.path.join(folder, 'munged.log')}",
         f"--seed-file={os.path.join(folder, 'munged.seed')}"])
+
+
+def _read(path):
+    """A job's output file; none where the job never started."""
+    try:
+        with open(path) as text:
+            return text.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _free_ports(count):
