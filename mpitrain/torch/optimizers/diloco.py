@@ -133,7 +133,7 @@ def DiLoCoOptimizer(optimizer, named_parameters=None, inner_steps=500, outer_opt
         cast, chosen = choice.split(compression, trained, names)
         settings = {"inner_steps": inner_steps, "fragments": fragments_setting,
                     "overlap_steps": overlap_steps, "mixing": float(mixing),
-                    "compression": repr(cast)}
+                    "compression": getattr(cast, "__qualname__", repr(cast))}
         settings.update({("compressor", names[p]): repr(chosen[p]) if p in chosen
                          else "uncompressed" for p in trained})
         labels = {("compressor", names[p]): f"the compressor of '{names[p]}'"
