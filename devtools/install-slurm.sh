@@ -14,16 +14,11 @@ if command -v slurmctld > /dev/null && command -v slurmd > /dev/null \
     echo "install-slurm: slurmctld, slurmd, munged, sbatch and libpmix are installed"
     exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get > /dev/null; then
-    echo "install-slurm: installing slurm-wlm and munge needs root and apt-get" \
-         "(Debian, Ubuntu); elsewhere the Slurm tests skip" >&2
-    exit 1
-fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
+# shellcheck source=apt-install.sh
+. "$(dirname "$0")/apt-install.sh"
 # policy-rc.d: where a service manager runs, the packages' scripts would start
 # the daemons with the system's configuration; the test runs its own.
-if [ ! -e /usr/sbin/policy-rc.d ]; then
+if [ "$(id -u)" = 0 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
     trap 'rm -f /usr/sbin/policy-rc.d' EXIT
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
     chmod +x /usr/sbin/policy-rc.d
@@ -31,6 +26,6 @@ fi
 # Slurm's mpi/pmix plugin opens pmix2/lib/libpmix.so, the name only
 # libpmix-dev installs; with libpmix2 alone, `srun --mpi=pmix` fails with
 # "Couldn't load specified plugin name for mpi/pmix: Plugin init() callback failed".
-apt-get install -y -qq --no-install-recommends slurm-wlm munge libpmix2 libpmix-dev \
-    > /dev/null
+apt_install install-slurm "elsewhere the Slurm tests skip" \
+    slurm-wlm munge libpmix2 libpmix-dev
 echo "install-slurm: installed $(slurmctld -V)"

@@ -19,23 +19,8 @@ if command -v podman > /dev/null && command -v runc > /dev/null \
     echo "install-engine: podman, runc and debootstrap are installed"
     exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get > /dev/null; then
-    echo "install-engine: installing podman, runc and debootstrap needs root and apt-get" \
-         "(Debian, Ubuntu); elsewhere install Docker or podman yourself" >&2
-    exit 1
-fi
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-# --no-upgrade keeps any of the three already installed as it is. apt also
-# upgrades every installed package built from the same source as one it
-# installs (libsubid4, which podman needs, upgraded login and passwd);
-# Upgrade-By-Source-Package=false turns that off.
-apt_flags=(-y -qq --no-install-recommends --no-upgrade
-           -o APT::Get::Upgrade-By-Source-Package=false)
-packages=(podman runc debootstrap)
-# apt-get -s: what it would do, one "Inst PACKAGE (VERSION ...)" line a package.
-new=$(apt-get -s "${apt_flags[@]}" install "${packages[@]}" \
-      | awk '$1 == "Inst" {names = names " " $2} END {print names}')
-echo "install-engine: installing$new"
-apt-get "${apt_flags[@]}" install "${packages[@]}" > /dev/null
+# shellcheck source=../devtools/apt-install.sh
+. "$(dirname "$0")/../devtools/apt-install.sh"
+apt_install install-engine "elsewhere install Docker or podman yourself" \
+    podman runc debootstrap
 echo "install-engine: installed $(podman --version)"
