@@ -301,6 +301,8 @@ def test_gradients_of_several_backward_passes_add_up_with_or_without_no_sync():
             with sharded.no_sync() if use_no_sync else contextlib.nullcontext():
                 backward(model, 10 * step)
                 backward(model, 10 * step + 1)
+            # Inside no_sync() backward keeps p.grad; outside it sends and drops it.
+            assert all((p.grad is not None) == use_no_sync for p in model.parameters())
             backward(model, 10 * step + 2)
             sharded.step()
             plain.zero_grad()

@@ -98,6 +98,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         backward (stage 2) or clip_grad_norm_ (both) to the step."""
         return [p for group in self._local.param_groups for p in group["params"]]
 
+    @property
+    def exchanged_bytes(self):
+        """(bytes this rank gives the gradients' reduce-scatters, bytes it
+        gives the parameters' allgathers) in a step, padding included. With
+        ring algorithms a rank sends (N-1)/N of the first and N-1 times the
+        second (docs/sharded-optimizer.md)."""
+        return self._shares.exchanged()
+
     # -- step ------------------------------------------------------------------
 
     def step(self, closure=None):

@@ -43,6 +43,14 @@ class WholeParameters:
                                      if self._owner.get(p) == self._rank]}
                 for group in groups]
 
+    def exchanged(self):
+        """(bytes this rank gives the reduce-scatters, bytes it gives the
+        allgathers) in a step."""
+        if self._alone:
+            return 0, 0
+        segments = sum(layout.segment * layout.dtype.itemsize for layout in self._layouts)
+        return self._size * segments, segments
+
     # -- a step ---------------------------------------------------------------
 
     def reduce(self, closure):

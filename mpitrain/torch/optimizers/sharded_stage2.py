@@ -1,7 +1,9 @@
 """ShardedOptimizer's stage 2 (ZeRO-2): gradients reduce-scattered during backward.
 
-The trained parameters are cut into buckets (buckets.plan: backward's
-order, one dtype and device each, at most ``bucket_bytes``). A bucket is
+The trained parameters are cut into buckets in backward's order, one
+dtype and device each, of ``bucket_bytes`` (the last of a dtype less); a
+parameter that does not fit in the room left is cut across buckets, so no
+exchange, and no buffer of the engine, is larger than a bucket. A bucket is
 one flat vector, padded to N equal slices; rank r owns slice r of every
 bucket, so each rank owns 1/N of every bucket's elements whatever the
 parameters' sizes. As backward produces a gradient, a hook adds it into its
@@ -30,7 +32,6 @@ import torch
 from mpitrain.api.handles import synchronize, synchronize_all
 from mpitrain.ops import Average, OpType
 from mpitrain.torch.ops import allgather_async, reducescatter_async
-from mpitrain.torch.optimizers import buckets
 from mpitrain.torch.optimizers.sharded_checks import fail_everywhere, for_every_rank
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024     # DDP's bucket_cap_mb
@@ -52,12 +53,13 @@ class SlicedParameters:
                     "stage 2 updates slices of each parameter's memory in place: make "
                     "the model contiguous (model.to(memory_format=torch.contiguous_format)) "
                     "or use stage=1")
-        by_index = {index[p]: p for p in trained}
-        self._index = index
-        self._buckets = [_Bucket(number, [by_index[i] for i in members], index, size, rank)
-                         for number, members in enumerate(
-                             buckets.plan(trained, index, bucket_bytes))]
-        self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
+        self._index, self._size = index, size
+        self._buckets = [_Bucket(number, parts, index, size, rank)
+                         for number, parts in enumerate(_plan(trained, bucket_bytes))]
+        self._buckets_of = {p: [] for p in trained}
+        for bucket in self._buckets:
+            for p, _, _, _ in bucket.parts:
+                self._buckets_of[p].append(bucket)
         self._in_flight = []        # buckets whose reduce-scatter is under way, oldest first
         self._sending = True        # False inside no_sync()
         this = weakref.ref(self)
@@ -73,19 +75,32 @@ class SlicedParameters:
     def local_groups(self, groups):
         """The groups of the local optimizer: this rank's pieces of each group's parameters."""
         return [{**group, "params": [piece.tensor for p in group["params"]
-                                     if p in self._bucket_of
-                                     for piece in self._bucket_of[p].pieces_of(p)]}
+                                     for bucket in self._buckets_of.get(p, ())
+                                     for piece in bucket.pieces if piece.param is p]}
                 for group in groups]
+
+    def exchanged(self):
+        """(bytes this rank gives the reduce-scatters, bytes it gives the
+        allgathers) in a step."""
+        slices = sum(bucket.length * bucket.dtype.itemsize for bucket in self._buckets)
+        return self._size * slices, slices
 
     # -- backward -------------------------------------------------------------
 
     def _gradient_ready(self, p):
         if not self._sending:
             return                      # no_sync(): p.grad accumulates, sent later
-        bucket = self._bucket_of[p]
-        bucket.add(p)
-        if bucket.complete():
-            self._send(bucket)
+        for bucket in self._take(p):
+            if bucket.complete():
+                self._send(bucket)
+
+    def _take(self, p):
+        """Add ``p.grad`` into its buckets and drop it; returns those buckets."""
+        grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+        for bucket in self._buckets_of[p]:
+            bucket.add(p, grad)
+        p.grad = None
+        return self._buckets_of[p]
 
     def _send(self, bucket):
         if bucket.handle is not None:   # an earlier backward pass's, still under way
@@ -124,9 +139,9 @@ class SlicedParameters:
                 "more backward pass after the block, or step() after it")
         try:
             loss = closure()
-            for p in self._bucket_of:               # left in p.grad: no_sync(), or
+            for p in self._buckets_of:              # left in p.grad: no_sync(), or
                 if p.grad is not None:              # set by hand
-                    self._bucket_of[p].add(p)
+                    self._take(p)
         except Exception as error:
             unsent = [bucket.gradients_name for bucket in self._buckets if not bucket.sent]
             self.forget()
@@ -189,7 +204,7 @@ class SlicedParameters:
         for share in shares:
             for (index, start, _), state in share.items():
                 parts.setdefault(index, []).append((start, state))
-        shapes = {self._index[p]: p.shape for p in self._bucket_of}
+        shapes = {self._index[p]: p.shape for p in self._buckets_of}
         merged = {}
         for index, pieces in parts.items():
             pieces.sort(key=lambda piece: piece[0])
@@ -233,52 +248,51 @@ class _Piece:
 
 
 class _Bucket:
-    """Parameters whose gradients travel as one flat vector of N equal slices."""
+    """Parts of parameters whose gradients travel as one flat vector of N equal slices.
 
-    __slots__ = ("params", "starts", "size", "length", "dtype", "device", "pieces",
+    parts: (parameter, its first element here, elements, where they start in the bucket).
+    """
+
+    __slots__ = ("parts", "size", "length", "dtype", "device", "pieces",
                  "gradients_name", "parameters_name", "flat", "arrived", "sent",
                  "handle", "travelling", "received")
 
-    def __init__(self, number, params, index, size, rank):
-        self.params, self.starts, total = params, {}, 0
-        for p in params:
-            self.starts[p] = total
-            total += p.numel()
+    def __init__(self, number, parts, index, size, rank):
+        self.parts, total = [], 0
+        for p, first, count in parts:
+            self.parts.append((p, first, count, total))
+            total += count
         self.size, self.length = size, math.ceil(total / size)   # length: of one slice
-        self.dtype, self.device = params[0].dtype, params[0].device
+        self.dtype, self.device = parts[0][0].dtype, parts[0][0].device
         mine = (rank * self.length, (rank + 1) * self.length)
         self.pieces = []
-        for p in params:
-            begin, end = max(self.starts[p], mine[0]), min(self.starts[p] + p.numel(), mine[1])
+        for p, first, count, at in self.parts:
+            begin, end = max(at, mine[0]), min(at + count, mine[1])
             if begin < end:
-                self.pieces.append(_Piece(p, begin - self.starts[p], begin - mine[0],
+                self.pieces.append(_Piece(p, first + begin - at, begin - mine[0],
                                           end - begin))
-        first, last = index[params[0]], index[params[-1]]
-        members = f"parameter {first}" if len(params) == 1 else \
-            f"parameters {first}..{last}, {len(params)} tensors"
+        indices = sorted({index[p] for p, _, _, _ in self.parts})
+        members = f"parameter {indices[0]}" if len(indices) == 1 else \
+            f"parameters {indices[0]}..{indices[-1]}, {len(indices)} tensors"
         self.gradients_name = f"ShardedOptimizer.gradients.{number} ({members})"
         self.parameters_name = f"ShardedOptimizer.parameters.{number} ({members})"
         self.flat, self.arrived, self.sent = None, set(), False
         self.handle, self.travelling, self.received = None, None, None
 
-    def pieces_of(self, p):
-        return [piece for piece in self.pieces if piece.param is p]
-
-    def add(self, p):
-        """Add ``p.grad`` into the flat gradient and drop it."""
+    def add(self, p, grad):
+        """Add p's part of ``grad`` (p's whole gradient, flat) into the flat gradient."""
         if self.flat is None:
             self.flat = self._zeros()
-        grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-        start = self.starts[p]
-        self.flat[start:start + p.numel()].add_(grad.reshape(-1))
-        p.grad = None
+        for param, first, count, at in self.parts:
+            if param is p:
+                self.flat[at:at + count].add_(grad[first:first + count])
         self.arrived.add(p)
 
     def _zeros(self):
         return torch.zeros(self.size * self.length, dtype=self.dtype, device=self.device)
 
     def complete(self):
-        return len(self.arrived) == len(self.params)
+        return len(self.arrived) == len(self.parts)
 
     def pending(self):
         """Has a gradient arrived since the bucket was last sent?"""
@@ -318,8 +332,29 @@ class _Bucket:
     @torch.no_grad()
     def put(self, gathered):
         """Every rank's slices, into the parameters."""
-        for p, start in self.starts.items():
-            p.view(-1).copy_(gathered[start:start + p.numel()])
+        for p, first, count, at in self.parts:
+            p.view(-1)[first:first + count].copy_(gathered[at:at + count])
+
+
+def _plan(parameters, bucket_bytes):
+    """Buckets as lists of (parameter, first element, elements): the
+    parameters in backward's order (the reverse of theirs), one dtype and
+    device a bucket, each filled to ``bucket_bytes`` before the next of its
+    dtype and device opens."""
+    plan, filling = [], {}
+    for p in reversed(parameters):
+        key, room = (p.dtype, p.device), max(1, bucket_bytes // p.element_size())
+        first = 0
+        while first < p.numel():
+            current = filling.get(key)
+            if current is None or current[1] == room:
+                current = filling[key] = [[], 0]
+                plan.append(current[0])
+            count = min(p.numel() - first, room - current[1])
+            current[0].append((p, first, count))
+            current[1] += count
+            first += count
+    return plan
 
 
 def _elementwise(key, value):
