@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from mpitrain.torch.distributed.work import completed_work, work_of
+from mpitrain.torch.distributed.work import MpitrainWork, completed_work
 
 
 def _bytes(tensor):
@@ -63,4 +63,4 @@ class Channels:
             else:
                 future.set_result([tensor])
         threading.Thread(target=receive, daemon=True).start()
-        return work_of(future)
+        return MpitrainWork(future)

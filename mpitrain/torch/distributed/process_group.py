@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from mpitrain.api import array_ops
 from mpitrain.api.argument_checks import kind_of
+from mpitrain.api.handles import synchronize
 from mpitrain.errors import MpitrainInternalError
 from mpitrain.torch.distributed import collectives, exchanges, point_to_point
 from mpitrain.torch.distributed.naming import CallNames
@@ -82,17 +83,17 @@ class MpitrainProcessGroup(dist.ProcessGroup):
             array_ops.fail(kind, name, self.process_set, kind_of(error),
                            f"{call}: {type(error).__name__}: {error}", count)
             raise
-        return pending_work(name, handle, self._finisher(finish), list(results))
+        return pending_work(name, lambda: self._complete(handle, finish), list(results))
 
-    def _finisher(self, finish):
-        def finished(result):
-            try:
-                if finish is not None:
-                    finish(result)
-            except BaseException as error:
-                self._names.failed(error)
-                raise
-        return finished
+    def _complete(self, handle, finish):
+        """Wait for ``handle`` and ``finish`` its result (on the completer's thread)."""
+        try:
+            result = synchronize(handle)
+            if finish is not None:
+                finish(result)
+        except BaseException as error:
+            self._names.failed(error)
+            raise
 
     def __repr__(self):
         return f"<MpitrainProcessGroup ranks={self.process_set.ranks} rank={self.rank()}>"

@@ -8,9 +8,9 @@ they were submitted and, after ``finish`` has written the result where torch
 wants it (the output tensors), has a pool thread set each future. Setting a
 future runs its callbacks, and a callback may start another collective and
 wait for it (PowerSGD's hook does): on the completer's own thread that wait
-would never end, and the pool grows a thread whenever all of its are busy. Work objects are torch's
-own wrapping of such a future (``_create_work_from_future``): ``wait()``,
-``is_completed()``, ``get_future()`` and ``exception()`` behave as torch's.
+would never end, and the pool grows a thread whenever all of its are busy.
+Work objects (MpitrainWork) answer ``wait()``, ``is_completed()``,
+``get_future()`` and ``exception()`` as torch's own do.
 """
 
 import concurrent.futures
@@ -18,9 +18,8 @@ import queue
 import threading
 
 import torch
-from torch._C._distributed_c10d import _create_work_from_future
+import torch.distributed as dist
 
-from mpitrain.api.handles import synchronize
 from mpitrain.torch.distributed.naming import callbacks_of
 
 
@@ -34,19 +33,19 @@ class _Completer:
         self._thread = None
         self._lock = threading.Lock()
 
-    def add(self, name, handle, finish, future):
+    def add(self, name, complete, future):
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="mpitrain-torch-distributed")
                 self._thread.start()
-        self._pending.put((name, handle, finish, future))
+        self._pending.put((name, complete, future))
 
     def _run(self):
         while True:
-            name, handle, finish, future = self._pending.get()
+            name, complete, future = self._pending.get()
             try:
-                value = finish(synchronize(handle))
+                value = complete()
             except BaseException as error:    # every error reaches the waiter
                 self._set(name, future.set_exception, error)
             else:
@@ -73,25 +72,57 @@ def _devices(tensors):
                   key=str) or None
 
 
-def pending_work(name, handle, finish, result_tensors):
-    """A Work that completes once ``handle`` (of call ``name``) has and
-    ``finish(its result)`` ran.
+class MpitrainWork(dist.Work):
+    """A call in flight: ``wait()`` raises the call's own error (a MismatchError
+    naming the ranks, say); ``get_future()`` is a future that torch's C++ side
+    (DDP's reducer) sees fail too, as a callback raising fails the future
+    ``then`` made (a Python future's set_exception only stores the exception
+    as its value)."""
+
+    def __init__(self, source):
+        super().__init__()
+        self._source = source
+        self._future = source.then(_value)
+
+    def wait(self, timeout=None):
+        self._source.wait()
+        return True
+
+    def is_completed(self):
+        return self._source.done()
+
+    def is_success(self):
+        return self._future.done() and self.exception() is None
+
+    def exception(self):
+        try:
+            self._source.value() if self._source.done() else None
+        except Exception as error:
+            return error
+        return None
+
+    def get_future(self):
+        return self._future
+
+
+def _value(source):
+    return source.value()
+
+
+def pending_work(name, complete, result_tensors):
+    """A Work that completes once ``complete()`` (which waits for call ``name``
+    and puts its result in place) has returned, or fails with its error.
 
     The future's value is ``result_tensors``, a list, as torch's own
     backends give it (DDP's hooks read ``fut.value()[0]``).
     """
-    future = torch.futures.Future(devices=_devices(result_tensors))
-    _completer.add(name, handle, lambda result: (finish(result), result_tensors)[1], future)
-    return _create_work_from_future(future)
+    source = torch.futures.Future(devices=_devices(result_tensors))
+    _completer.add(name, lambda: (complete(), result_tensors)[1], source)
+    return MpitrainWork(source)
 
 
 def completed_work(result_tensors):
     """A Work that is already complete (a call with nothing to move)."""
-    future = torch.futures.Future(devices=_devices(result_tensors))
-    future.set_result(result_tensors)
-    return _create_work_from_future(future)
-
-
-def work_of(future):
-    """A Work that completes with ``future``."""
-    return _create_work_from_future(future)
+    source = torch.futures.Future(devices=_devices(result_tensors))
+    source.set_result(result_tensors)
+    return MpitrainWork(source)
