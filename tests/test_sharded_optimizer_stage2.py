@@ -347,8 +347,9 @@ def test_parameters_of_several_dtypes_and_frozen_ones():
 
 
 @mpi_test(np=(2, 3), timeout=60)
-def test_ranks_that_build_other_stages_fail_on_every_rank():
-    """(A local update that fails on its rank: test_sharded_optimizer.py.)"""
+def test_other_stages_and_non_contiguous_parameters_fail_on_every_rank():
+    """Naming the ranks and the parameter. (A local update that fails on
+    its rank: test_sharded_optimizer.py.)"""
     model = make_model()
     with pytest.raises(ValueError, match=r"ranks \[1\] have other parameters than rank 0 "
                                          r"\(rank 0 has stage 1, rank 1 has stage 2\)"):
@@ -356,3 +357,7 @@ def test_ranks_that_build_other_stages_fail_on_every_rank():
                              stage=2 if hvd.rank() == 1 else 1)
     with pytest.raises(ValueError, match="bucket_bytes .* for stage=2"):
         hvd.ShardedOptimizer(torch.optim.SGD, model.parameters(), lr=0.1, bucket_bytes=64)
+    channels_last = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(4, 3, 3, 3\)\) is not "
+                                         r"contiguous in memory \(channels_last\?\)"):
+        hvd.ShardedOptimizer(torch.optim.SGD, channels_last.parameters(), lr=0.1, stage=2)

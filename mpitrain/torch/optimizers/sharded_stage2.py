@@ -61,7 +61,7 @@ class SlicedParameters:
             for p, _, _, _ in bucket.parts:
                 self._buckets_of[p].append(bucket)
         self._in_flight = []        # buckets whose reduce-scatter is under way, oldest first
-        self._sending = True        # False inside no_sync()
+        self.sending = True         # False inside no_sync()
         this = weakref.ref(self)
 
         def on_gradient(p):
@@ -88,13 +88,13 @@ class SlicedParameters:
     # -- backward -------------------------------------------------------------
 
     def _gradient_ready(self, p):
-        if not self._sending:
+        if not self.sending:
             return                      # no_sync(): p.grad accumulates, sent later
-        for bucket in self._take(p):
+        for bucket in self._collect(p):
             if bucket.complete():
                 self._send(bucket)
 
-    def _take(self, p):
+    def _collect(self, p):
         """Add ``p.grad`` into its buckets and drop it; returns those buckets."""
         grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
         for bucket in self._buckets_of[p]:
@@ -118,21 +118,13 @@ class SlicedParameters:
         handle, bucket.handle = bucket.handle, None
         bucket.take(synchronize(handle))
 
-    @property
-    def sending(self):
-        return self._sending
-
-    @sending.setter
-    def sending(self, value):
-        self._sending = value
-
     # -- a step ---------------------------------------------------------------
 
     def reduce(self, closure):
         """The closure's loss, after which every piece's ``.grad`` is this rank's
         slice of the average of every rank's gradients (summed over the
         backward passes since the last step)."""
-        if not self._sending:
+        if not self.sending:
             raise RuntimeError(
                 "optimizer.step() inside optimizer.no_sync(): the gradients "
                 "accumulated there have not been sent to the other ranks; run one "
@@ -141,7 +133,7 @@ class SlicedParameters:
             loss = closure()
             for p in self._buckets_of:              # left in p.grad: no_sync(), or
                 if p.grad is not None:              # set by hand
-                    self._take(p)
+                    self._collect(p)
         except Exception as error:
             unsent = [bucket.gradients_name for bucket in self._buckets if not bucket.sent]
             self.forget()
@@ -281,10 +273,16 @@ class _Bucket:
 
     def add(self, p, grad):
         """Add p's part of ``grad`` (p's whole gradient, flat) into the flat gradient."""
-        if self.flat is None:
-            self.flat = self._zeros()
         for param, first, count, at in self.parts:
-            if param is p:
+            if param is not p:
+                continue
+            if self.flat is None and len(self.parts) == 1 and count == self.size * self.length:
+                # A bucket that is a slice of one gradient, unpadded, travels as a
+                # view of it: the gradient is alive anyway, a copy would double it.
+                self.flat = grad[first:first + count]
+            else:
+                if self.flat is None:
+                    self.flat = self._zeros()
                 self.flat[at:at + count].add_(grad[first:first + count])
         self.arrived.add(p)
 
