@@ -7,6 +7,7 @@ agree bitwise whatever order they add in.
 import datetime
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -80,6 +81,31 @@ def test_async_work_waits_completes_and_has_a_future():
     reference = rank_tensor(shape=(5,))
     dist.all_reduce(reference, group=gloo_group())
     assert torch.equal(chained.wait(), reference * 2)
+
+
+@mpi_test(np=(2, 3), timeout=120)
+def test_calls_from_callbacks_pair_up_while_the_user_makes_others():
+    """A future's callback makes all_reduces (as DDP's PowerSGD hook does) while
+    the user's thread makes its own, in another interleaving on each rank: each
+    call still meets the other ranks' same call."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    expected = sum(range(size))
+
+    def callback(future):
+        time.sleep(0.02 * rank)
+        inner = [torch.full((4,), float(rank + 100 * i)) for i in range(3)]
+        for t in inner:
+            dist.all_reduce(t)
+        return inner
+    chained = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(callback)
+    time.sleep(0.02 * (size - rank))
+    outer = [torch.full((4,), float(rank - 100 * i)) for i in range(5)]
+    for t in outer:
+        dist.all_reduce(t)
+    for i, t in enumerate(chained.wait()):
+        assert torch.equal(t, torch.full((4,), float(expected + 100 * i * size))), (i, t)
+    for i, t in enumerate(outer):
+        assert torch.equal(t, torch.full((4,), float(expected - 100 * i * size))), (i, t)
 
 
 @mpi_test(np=(2, 3), timeout=120)
