@@ -114,7 +114,9 @@ class MpitrainProcessGroup(dist.ProcessGroup):
         return collectives.allgather(self, output_tensors, input_tensors)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        return collectives.allgather(self, output_lists, input_tensors,
+        # here output_lists[r][i] receives rank r's input i: one list per rank
+        per_input = [list(outputs) for outputs in zip(*output_lists)]
+        return collectives.allgather(self, per_input, input_tensors,
                                      "dist.all_gather_coalesced")
 
     def all_gather_single(self, output, input, opts=None):
