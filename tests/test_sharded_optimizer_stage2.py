@@ -189,9 +189,10 @@ def test_each_rank_holds_one_nth_of_the_gradients_and_state_plus_a_few_buckets()
     everyone = hvd.allgather_object((max(held), state_bytes(sharded)))
     # The measure sees what an unsharded optimizer holds: every gradient.
     assert min(held_by_plain) >= 0.95 * total, (held_by_plain, total)
-    # A slice of every bucket (1/N), and at most 3 buckets: 2 being
-    # reduce-scattered, 1 filling.
-    assert max(grads for grads, _ in everyone) <= total / hvd.size() + 3 * bucket, \
+    # A slice of every bucket (1/N), at most 3 buckets (2 being
+    # reduce-scattered, 1 filling), and the gradient autograd hands the hook
+    # (a layer's weight: a bucket here) before the hook drops it.
+    assert max(grads for grads, _ in everyone) <= total / hvd.size() + 4 * bucket, \
         (everyone, total)
     assert sum(state for _, state in everyone) == state_bytes(plain)
     # Each bucket's slice is rounded up to a whole element: 2 moments of 4 bytes.
