@@ -11,7 +11,6 @@ last bits may differ: there the parameters agree to float32 rounding, and
 the gradients of the first step equal the true mean to the same tolerance.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -27,8 +27,7 @@ def allreduce(group, tensors, opts, call="dist.all_reduce"):
         return ops.grouped_allreduce_async_(tensors, name=name, op=op,
                                             prescale_factor=prescale,
                                             process_set=group.process_set)
-    return group.start(call, ALLREDUCE, submit, results=tensors,
-                       count=None if len(tensors) == 1 else len(tensors))
+    return group.start(call, ALLREDUCE, submit, results=tensors, count=_count(tensors))
 
 
 def broadcast(group, tensors, opts, call="dist.broadcast"):
@@ -43,9 +42,22 @@ def broadcast(group, tensors, opts, call="dist.broadcast"):
     return group.start(call, BROADCAST, submit, results=tensors)
 
 
-def _rows(tensor):
-    """``tensor`` as one row: mpitrain gathers along the first dimension."""
-    return tensor.reshape(1, -1)
+def _gather_rows(group, inputs, name):
+    """Gather each of ``inputs`` as one row (mpitrain gathers along the first
+    dimension): one operation, or a group of them."""
+    if len(inputs) == 1:
+        return ops.allgather_async(inputs[0].reshape(1, -1), name, group.process_set)
+    return ops.grouped_allgather_async([t.reshape(1, -1) for t in inputs], name,
+                                       group.process_set)
+
+
+def _per_input(inputs, result):
+    """The gathered rows of each input, whether one operation ran or a group."""
+    return [result] if len(inputs) == 1 else result
+
+
+def _count(inputs):
+    return None if len(inputs) == 1 else len(inputs)
 
 
 def allgather(group, output_lists, input_tensors, call="dist.all_gather"):
@@ -54,19 +66,14 @@ def allgather(group, output_lists, input_tensors, call="dist.all_gather"):
 
     def submit(name):
         _check_lists(call, group, output_lists, inputs)
-        if len(inputs) == 1:
-            return ops.allgather_async(_rows(inputs[0]), name, group.process_set)
-        return ops.grouped_allgather_async([_rows(t) for t in inputs], name,
-                                           group.process_set)
+        return _gather_rows(group, inputs, name)
 
     def finish(result):
-        gathered = [result] if len(inputs) == 1 else result
-        for outputs, rows in zip(output_lists, gathered):
+        for outputs, rows in zip(output_lists, _per_input(inputs, result)):
             for output, row in zip(outputs, rows):
                 output.copy_(row.view(output.shape))
     return group.start(call, ALLGATHER, submit, finish,
-                       [t for outputs in output_lists for t in outputs],
-                       count=None if len(inputs) == 1 else len(inputs))
+                       [t for outputs in output_lists for t in outputs], _count(inputs))
 
 
 def _check_lists(call, group, output_lists, inputs):
@@ -89,17 +96,12 @@ def allgather_into(group, outputs, inputs, call="dist.all_gather_into_tensor"):
                 raise ValueError(f"{call}: the output has {output.numel()} elements; "
                                  f"{group.size()} ranks of {input.numel()} need "
                                  f"{input.numel() * group.size()}")
-        if len(inputs) == 1:
-            return ops.allgather_async(_rows(inputs[0]), name, group.process_set)
-        return ops.grouped_allgather_async([_rows(t) for t in inputs], name,
-                                           group.process_set)
+        return _gather_rows(group, inputs, name)
 
     def finish(result):
-        gathered = [result] if len(inputs) == 1 else result
-        for output, rows in zip(outputs, gathered):
+        for output, rows in zip(outputs, _per_input(inputs, result)):
             output.copy_(rows.view(output.shape))
-    return group.start(call, ALLGATHER, submit, finish, outputs,
-                       count=None if len(inputs) == 1 else len(inputs))
+    return group.start(call, ALLGATHER, submit, finish, outputs, _count(inputs))
 
 
 def reduce(group, tensors, opts, call="dist.reduce"):
