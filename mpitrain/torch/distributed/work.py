@@ -95,8 +95,10 @@ class MpitrainWork(dist.Work):
         return self._future.done() and self.exception() is None
 
     def exception(self):
+        if not self._source.done():
+            return None
         try:
-            self._source.value() if self._source.done() else None
+            self._source.value()
         except Exception as error:
             return error
         return None
