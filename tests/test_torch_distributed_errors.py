@@ -14,8 +14,17 @@ import torch
 import torch.distributed as dist
 
 import mpitrain.torch as hvd
-from tests.mpi_harness import mpi_test
+from tests.mpi_harness import mpi_test, run_mpi
 from tests.torch_distributed_groups import mpitrain_group
+
+A_RANK_RAISES = """
+import torch, torch.distributed as dist
+import mpitrain.torch
+dist.init_process_group("mpitrain")
+if dist.get_rank() == 1:
+    raise ValueError("rank 1 broke")
+dist.all_reduce(torch.ones(2))
+"""
 
 FAST_STALL = {"MPITRAIN_STALL_CHECK_TIME_SECONDS": "1",
               "MPITRAIN_STALL_SHUTDOWN_TIME_SECONDS": "3"}
@@ -125,3 +134,13 @@ def test_a_rank_that_stops_calling_fails_the_others_within_the_stall_time():
                          "stall", "rank 1", f"group {group.group_name} call 0")
     assert time.monotonic() - started < 15
     hvd.shutdown()
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_traceback():
+    """torch's excepthook buffered the traceback, and mpitrain's abort came first:
+    the job ended with MPI_ABORT's notice alone."""
+    job = run_mpi(2, ["-c", A_RANK_RAISES], timeout=120)
+    assert job.returncode not in (0, None), job.returncode
+    assert "mpitrain: rank 1 of 2" in job.stderr, job.stderr[-3000:]
+    assert "ValueError: rank 1 broke" in job.stderr, job.stderr[-3000:]
+

@@ -19,6 +19,7 @@ from torch.distributed import distributed_c10d as c10d
 from mpitrain.api import basics
 from mpitrain.api.process_sets import global_process_set
 from mpitrain.api.set_registry import add_process_set
+from mpitrain.torch.distributed.excepthook import keep_tracebacks
 from mpitrain.torch.distributed.process_group import BACKEND_NAME, MpitrainProcessGroup
 from mpitrain.torch.distributed.rendezvous import check_place, start_mpitrain
 
@@ -31,6 +32,7 @@ def create(options, backend_options=None):
         check_place(options.group_rank, options.group_size,
                     "init_process_group('mpitrain')")
         process_set = global_process_set
+        keep_tracebacks()                           # torch's excepthook comes next
     elif ranks == list(range(basics.size())):
         process_set = global_process_set
     else:
