@@ -18,6 +18,7 @@ test's outcome (docs/torch-distributed.md lists the last run's).
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -126,7 +127,12 @@ def test_torchs_own_distributed_tests_pass_on_the_mpitrain_backend():
     hvd.init()
     temp_dir = [tempfile.mkdtemp(prefix="mpitrain-torch-suite-") if hvd.rank() == 0 else None]
     temp_dir = hvd.broadcast_object(temp_dir)[0]
-    outcomes = run_in_job(SUITE, temp_dir, os.path.join(temp_dir, "results.jsonl"), False)
+    try:
+        outcomes = run_in_job(SUITE, temp_dir, os.path.join(temp_dir, "results.jsonl"), False)
+    finally:
+        hvd.barrier()
+        if hvd.rank() == 0:
+            shutil.rmtree(temp_dir, ignore_errors=True)
     bad = {name: outcome for name, outcome in outcomes.items() if outcome != "passed"}
     assert not bad, bad
 
