@@ -174,6 +174,7 @@ def _sweep():
                                f"failed: the job ended ({job.returncode})")
             with open(results_path, "a") as stream:
                 stream.write(json.dumps({"test": stuck, "outcome": outcomes[stuck]}) + "\n")
+    shutil.rmtree(temp_dir, ignore_errors=True)
     for name in names:
         print(f"{name}: {outcomes[name]}")
     counts = {}
