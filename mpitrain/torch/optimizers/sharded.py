@@ -23,6 +23,7 @@ from mpitrain.ops import Max, Sum
 from mpitrain.torch.ops import allreduce_async, alltoall_async
 from mpitrain.torch.optimizers.sharded_checks import (
     as_groups, check_same_everywhere, check_same_options, check_shapes, options)
+from mpitrain.torch.optimizers.sharded_scaling import unscale_shares, unscaled_by_the_scaler
 from mpitrain.torch.optimizers.sharded_stage1 import WholeParameters
 from mpitrain.torch.optimizers.sharded_stage2 import DEFAULT_BUCKET_BYTES, SlicedParameters
 
@@ -50,6 +51,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     that waited alone for the others' shards would wait forever.
     full_state_dict() gives it to every rank (every rank calls it).
     """
+
+    # scaler.step(optimizer) calls step(grad_scaler=scaler): sharded_scaling.py
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer_class, params, stage=1, bucket_bytes=None, **defaults):
         if stage not in (1, 2):
@@ -84,6 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # there, that state by parameter index.
         self._consolidated_on, self._consolidated = None, None
         self._reduced = False       # clip_grad_norm_ averaged this step's gradients
+        self._found_inf = None      # clip_grad_norm_ unscaled them: did a rank find an inf?
         self._built = True
 
     @property
@@ -108,13 +113,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- step ------------------------------------------------------------------
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """Average the gradients, update this rank's share, share it.
 
         A closure is evaluated once, before the gradients are averaged:
         optimizers that evaluate it several times per step (LBFGS) are not
-        supported.
+        supported. ``grad_scaler``: the torch.amp.GradScaler whose step()
+        calls this one; the averaged gradients are unscaled, and if any
+        rank's held an inf or NaN every rank skips the step and the scaler
+        is told, so that its update() lowers the scale.
         """
+        if grad_scaler is not None and self._found_inf is None:
+            self._check_scaler(grad_scaler)
         for group, local in zip(self.param_groups, self._local.param_groups):
             local.update(options(group))
         self._consolidated_on, self._consolidated = None, None
@@ -126,20 +136,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
             loss = None
         else:
             loss = self._shares.reduce(lambda: _loss(closure))
-        self._reduced = False
+        found, self._reduced, self._found_inf = self._found_inf, False, None
+        if grad_scaler is not None and found is None:
+            found = unscale_shares(grad_scaler, self, self._held_gradients())
+        if found:
+            self._shares.forget()       # every rank found it: every rank skips
+            return loss
         self._shares.update(self._local.step)
         return loss
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+    def _held_gradients(self):
+        return [p.grad for p in self.local_parameters if p.grad is not None]
+
+    def _check_scaler(self, grad_scaler):
+        """Raise, on every rank alike, where scaler.unscale_(optimizer) unscaled
+        nothing: stage 2's gradients are not in p.grad."""
+        if (isinstance(self._shares, SlicedParameters)
+                and unscaled_by_the_scaler(grad_scaler, self)):
+            raise RuntimeError(
+                "ShardedOptimizer(stage=2): scaler.unscale_(optimizer) unscaled nothing, "
+                "since each rank holds slices of the averaged gradients, not p.grad, "
+                "and what ran after it saw scaled gradients. To clip, call "
+                "optimizer.clip_grad_norm_(max_norm, grad_scaler=scaler) in place of "
+                "scaler.unscale_(optimizer) and the clipping; scaler.step(optimizer) "
+                "unscales on its own")
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, grad_scaler=None):
         """Average this step's gradients now, and scale them so that their
         norm across every rank is at most ``max_norm``; returns that norm
         (before clipping) as torch.nn.utils.clip_grad_norm_ does. Every rank
-        calls it, after backward and before step()."""
+        calls it, after backward and before step(). With ``grad_scaler``
+        (a torch.amp.GradScaler) the gradients are unscaled first, in place
+        of scaler.unscale_(optimizer), which in stage 2 cannot reach them."""
         norm_type = float(norm_type)
+        unscale = grad_scaler is not None and grad_scaler.is_enabled() and self._found_inf is None
+        if unscale:
+            self._check_scaler(grad_scaler)
         if not self._reduced:
             self._shares.reduce(lambda: None)
             self._reduced = True
-        grads = [p.grad for p in self.local_parameters if p.grad is not None]
+        grads = self._held_gradients()
+        if unscale:
+            self._found_inf = unscale_shares(grad_scaler, self, grads)
         if norm_type == float("inf"):
             mine = max((g.detach().abs().max().double() for g in grads if g.numel()),
                        default=torch.zeros((), dtype=torch.float64))
@@ -176,7 +214,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         """Clear every parameter's gradient, and the gradient slices this rank holds."""
         self._shares.forget()
-        self._reduced = False
+        self._reduced, self._found_inf = False, None
         super().zero_grad(set_to_none)
 
     # -- state -----------------------------------------------------------------
@@ -255,7 +293,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {position[i]: value for i, value in state_dict["state"].items()}
         check_shapes(state, parameters)
         self._shares.forget()       # a restore after a failed step: nothing in flight
-        self._reduced = False
+        self._reduced, self._found_inf = False, None
         positions = iter(range(len(self.local_parameters)))
         self._local.load_state_dict({
             "state": self._shares.local_state(state, self._local),
