@@ -230,6 +230,29 @@ def test_barrier_send_recv_and_object_collectives():
     assert out == [f"to {rank}"]
 
 
+@mpi_test(np=(2, 3), timeout=120)
+def test_batch_isend_irecv_ring_and_every_pair_with_tags():
+    size, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    received = torch.empty(3, 4)                    # torch's docs' ring: recv listed first
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.irecv, received, left),
+                                           dist.P2POp(dist.isend, rank_tensor(), right)]):
+        request.wait()
+    assert_equal(received, rank_tensor(rank=left))
+    peers = [peer for peer in range(size) if peer != rank]
+    received = {(peer, tag): torch.full((2, peer + 1), -1.0) for peer in peers for tag in (5, 2)}
+    operations = []
+    for peer in peers:                              # each rank lists its ops in its own order
+        receives = [dist.P2POp(dist.irecv, received[peer, tag], peer, tag=tag) for tag in (5, 2)]
+        sends = [dist.P2POp(dist.isend, rank_tensor((2, rank + 1), salt=tag), peer, tag=tag)
+                 for tag in (2, 5)]
+        operations += receives + sends if rank % 2 else sends[::-1] + receives
+    for request in dist.batch_isend_irecv(operations):
+        request.wait()
+    for (peer, tag), tensor in received.items():
+        assert_equal(tensor, rank_tensor((2, peer + 1), salt=tag, rank=peer))
+
+
 @mpi_test(np=(3,), timeout=120)
 def test_new_group_is_a_process_set_of_its_ranks():
     rank = dist.get_rank()

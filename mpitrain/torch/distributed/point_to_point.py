@@ -6,9 +6,16 @@ key of the sender, the receiver, the tag and the message's number among
 theirs. That suits the small, rare messages torch's tools send so (a
 pipeline's activations belong on a collective or on another backend).
 A recv waits as long as the store's timeout (init_process_group's timeout=).
+
+A recv waits by asking the store now and then whether its key is there, not
+with a blocking ``store.get``: a store client answers one request at a time,
+so a get that waits would hold back every later send of this process, and
+``dist.batch_isend_irecv([recv_from_left, send_to_right])`` (torch's own
+example) hung on every rank.
 """
 
 import threading
+import time
 
 import torch
 
@@ -47,6 +54,7 @@ class Channels:
 
         def receive():
             try:
+                _wait_for(group.store, key, f"dist.recv from rank {src} with tag {tag}")
                 message = group.store.get(key)
                 group.store.delete_key(key)
                 dtype, shape, data = message.split(b"|", 2)
@@ -64,3 +72,15 @@ class Channels:
                 future.set_result([tensor])
         threading.Thread(target=receive, daemon=True).start()
         return MpitrainWork(future)
+
+
+def _wait_for(store, key, call):
+    """Returns once ``key`` is in ``store``; raises after the store's timeout."""
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    pause = 1e-4
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{call}: nothing arrived within the store's timeout "
+                               f"of {store.timeout}")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
