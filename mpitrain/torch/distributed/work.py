@@ -86,6 +86,9 @@ class MpitrainWork(dist.Work):
 
     def wait(self, timeout=None):
         self._source.wait()
+        # The future's own callback runs on the thread that set the source,
+        # maybe after this thread woke: wait() means get_future() is done too.
+        self._future.wait()
         return True
 
     def is_completed(self):
