@@ -36,7 +36,7 @@ OPTIMIZERS = os.path.join(PACKAGE, "torch", "optimizers")
 OPTIMIZER_LEVELS = {"__init__": 5, "diloco": 4, "local_sgd": 3, "distributed": 2,
                     "reducer": 1, "adasum": 1, "diloco_outer": 1, "parameter_names": 0,
                     "buckets": 0, "sharded": 2, "sharded_stage1": 1, "sharded_stage2": 1,
-                    "sharded_checks": 0, "diloco_fragments": 0}
+                    "sharded_checks": 0, "sharded_scaling": 0, "diloco_fragments": 0}
 
 
 def _sources():
