@@ -101,6 +101,15 @@ def expect(got, want, what, inputs=(), rtol=0.0, atol=0.0):
     raise AssertionError("\n".join(lines))
 
 
+def device_route():
+    """The route of device float32 sums on the job-wide set, as docs/gpu.md says."""
+    engine = mt.api.basics.engine()
+    plan = engine.device_plan
+    if mt.size() == 1 and not engine.config.test_one_rank_pipeline:
+        return "one rank"
+    return "NCCL" if plan.nccl else "CUDA-aware MPI" if plan.cuda_aware else "staged"
+
+
 def expect_route(kind, route, set_id=0):
     """Assert that the engine reduced groups of ``kind`` (e.g. "GPU float32
     sum") on process set ``set_id`` by ``route`` (e.g. "CUDA-aware MPI"), and

@@ -23,7 +23,7 @@ import mpitrain as mt
 from mpitrain.api import engine_sizes
 from mpitrain.backends import arrays
 from tests import gpu_machine as machine
-from tests.gpu_report import expect, expect_route, watch_routes
+from tests.gpu_report import device_route, expect, expect_route, watch_routes
 from tests.mpi_harness import mpi_test
 
 pytestmark = pytest.mark.gpu
@@ -35,15 +35,6 @@ def use_my_gpu():
     cupy = arrays.cupy()
     cupy.cuda.Device(mt.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
     return cupy
-
-
-def device_route():
-    """The route of device float32 sums on the job-wide set, as docs/gpu.md says."""
-    engine = mt.api.basics.engine()
-    plan = engine.device_plan
-    if mt.size() == 1 and not engine.config.test_one_rank_pipeline:
-        return "one rank"
-    return "NCCL" if plan.nccl else "CUDA-aware MPI" if plan.cuda_aware else "staged"
 
 
 def as_bfloat16(cupy, values):
