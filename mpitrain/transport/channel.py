@@ -264,7 +264,12 @@ class Channel:
             requests.pop(index)
 
     def reduce_scatter(self, send, receive, counts, op):
-        """counts are elements per rank."""
+        """counts are elements per rank: the same on every rank, as is the
+        route their sum chooses."""
+        if self.host_route is not None and self.host_route.scatters(send.nbytes):
+            yield from self.host_route.scatterer.reduce_scatter(send, receive, counts, op,
+                                                                guard=self._blocking)
+            return
         mpi_type = MPI_TYPES[send.dtype]
         args = ([send, mpi_type], [receive, mpi_type], counts,
                 mpi_operation(op, send.dtype))

@@ -38,12 +38,18 @@ class HostRoute:
     description: str = "MPI's allreduce"
     gatherer: object = None    # .allgatherv(send, receive, counts); None: MPI's
     stream_min_bytes: int = 0  # the same for fused groups that stream (streamed=True)
+    scatterer: object = None   # .reduce_scatter(send, receive, counts, op); None: MPI's
 
     def takes(self, nbytes, streamed=False):
         """Does the reducer take a buffer of nbytes? streamed: a fused group's
         tensors, streamed chunk by chunk (mpitrain.engine.execution.streaming)."""
         least = self.stream_min_bytes if streamed else self.min_bytes
         return self.reducer is not None and nbytes >= least
+
+    def scatters(self, nbytes):
+        """Does the scatterer take a reduce-scatter of nbytes in all? Smaller
+        ones take MPI's, as smaller allreduces do."""
+        return self.scatterer is not None and nbytes >= self.min_bytes
 
     def gathers(self, total_bytes):
         return self.gatherer is not None and self.gatherer.takes(total_bytes)
@@ -110,10 +116,10 @@ def _inside_one_node(comm, config):
         return HostRoute(description=f"MPI's allreduce (no shared memory: {error})")
     if config.intra_node == "shm":
         return HostRoute(reducer, 0, f"shared memory in {SEGMENT_DIRECTORY} "
-                                     "(MPITRAIN_INTRA_NODE=shm)")
+                                     "(MPITRAIN_INTRA_NODE=shm)", scatterer=reducer)
     return HostRoute(reducer, AUTO_MIN_BYTES, f"shared memory in {SEGMENT_DIRECTORY} "
                      f"{_AUTO_SIZES}, MPI's allreduce below",
-                     stream_min_bytes=AUTO_STREAM_MIN_BYTES)
+                     stream_min_bytes=AUTO_STREAM_MIN_BYTES, scatterer=reducer)
 
 
 _AUTO_SIZES = (f"from {AUTO_MIN_BYTES >> 20} MiB up (fused tensors from "

@@ -24,6 +24,20 @@ chunk in between, which no rank reaches before it has finished reading that
 slot. Every slice is reduced by exactly one rank, so all ranks' results are
 bitwise identical.
 
+Reduce-scatter (rank r keeps block r of the reduced buffer) goes in rounds
+through the same slots, each cut in comm.size regions, region d for rank d:
+
+1. every rank writes a piece of each other rank's block into that rank's
+   region of its own slot;                                       barrier
+2. rank r reduces its region of the other slots and its own input, which
+   it reads where it is, straight into its result.
+
+One barrier per round suffices: a rank writes into a slot of the same parity
+again only after the next round's barrier, which no rank reaches before it
+has finished reading this round's. Against MPI's reduce-scatter (Open MPI 5,
+2 ranks, 440 MiB of float32) this is about 4 times as fast, as fast as the
+allreduce of the same buffer.
+
 The segment is a file in a tmpfs (/dev/shm), unlinked as soon as every rank
 has mapped it, so it cannot outlive the job, however the job ends.
 """
@@ -166,6 +180,47 @@ class SharedMemoryAllreduce:
             if not io.drains:
                 io.reduced(start, stop)
 
+    def reduce_scatter(self, send, receive, counts, op, guard=unguarded):
+        """Reduce ``send`` across comm and leave block r of the result, the
+        ``counts[r]`` elements after those of the blocks before it, in rank
+        r's ``receive`` (a generator). op, guard: as in allreduce (Average
+        sums); send's size and dtype and counts must be alike on every rank.
+        """
+        combine = COMBINE[op]
+        _check(send, writeable=False)
+        _check(receive)
+        rank, size = self.comm.rank, self.comm.size
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        if send.size != starts[-1] or receive.size != counts[rank]:
+            raise ValueError(f"reduce_scatter of {send.size} elements in blocks of "
+                             f"{list(counts)}: rank {rank} receives {receive.size}")
+        if size == 1:
+            receive[:] = send
+            return
+        region = _region_elements(self.slot_bytes, size, send.itemsize)
+        slots = [[self._slot(owner, parity, send.dtype, region * size)
+                  for owner in range(size)] for parity in (0, 1)]
+        # In the order allreduce combines a slice: the next rank's first, this one's last.
+        others = [(rank + step) % size for step in range(1, size)]
+        for first in range(0, max(counts), region):
+            slot = slots[self._next_parity]
+            self._next_parity ^= 1
+            for block in range(size):
+                last = min(first + region, counts[block])
+                if block != rank and first < last:
+                    np.copyto(slot[rank][block * region:block * region + last - first],
+                              send[starts[block] + first:starts[block] + last])
+            yield from self._barrier(guard)
+            last = min(first + region, counts[rank])
+            if first < last:
+                result, pieces = receive[first:last], [
+                    slot[other][rank * region:rank * region + last - first]
+                    for other in others]
+                pieces.append(send[starts[rank] + first:starts[rank] + last])
+                combine(pieces[0], pieces[1], out=result)
+                for piece in pieces[2:]:
+                    combine(result, piece, out=result)
+
     def _alone(self, buffer, io, across):
         """The allreduce of a one-rank comm: the input is the result."""
         per_chunk = self.chunk_bytes // buffer.itemsize
@@ -252,10 +307,11 @@ def _map(path, size):
         os.close(descriptor)
 
 
-def _check(buffer):
+def _check(buffer, writeable=True):
     if not isinstance(buffer, np.ndarray) or buffer.ndim != 1 \
-            or not buffer.flags.c_contiguous or not buffer.flags.writeable:
-        raise ValueError("the buffer must be a writeable, contiguous 1-D numpy array")
+            or not buffer.flags.c_contiguous or (writeable and not buffer.flags.writeable):
+        raise ValueError("the buffer must be a writeable, contiguous 1-D numpy array"
+                         if writeable else "the input must be a contiguous 1-D numpy array")
     if buffer.dtype.kind not in "iuf":
         raise TypeError(f"cannot reduce {buffer.dtype} in shared memory: "
                         "only integers and floats")
@@ -269,6 +325,17 @@ def _slices(count, parts, itemsize):
     piece = -(-piece // aligned) * aligned
     return [(min(part * piece, count), min((part + 1) * piece, count))
             for part in range(parts)]
+
+
+def _region_elements(slot_bytes, parts, itemsize):
+    """Elements in each of a slot's parts regions, every one starting on a
+    SLICE_ALIGNMENT boundary where the slot has room for that."""
+    elements = slot_bytes // parts // itemsize
+    if elements == 0:
+        raise ValueError(f"a slot of {slot_bytes} bytes cannot hold a region for each "
+                         f"of {parts} ranks: give MPITRAIN_INTRA_NODE=mpi")
+    aligned = max(1, SLICE_ALIGNMENT // itemsize)
+    return elements // aligned * aligned or elements
 
 
 def segment_bytes(chunk_bytes, ranks):
