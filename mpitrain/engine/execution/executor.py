@@ -445,20 +445,23 @@ class Executor:
         rows = even_split(response.shape[0], self.channel.size)
         row = math.prod(response.shape[1:])
         counts = [n * row for n in rows]
-        send = self.buffers.get(wire, sum(counts), arrays.HOST)[:sum(counts)]
-        host.scale_into(entry.input, response.prescale if integer is None else 1.0,
-                        send.reshape(response.shape))
-        received = np.empty(counts[self.channel.rank], dtype=wire)
         size = self.channel.size
         split = scaling.splits(dtype, response.op, integer, size)
+        prescale = response.prescale if integer is None else 1.0
+        if (prescale == 1.0 and not split and entry.input.dtype == wire
+                and entry.input.flags.c_contiguous):
+            send = entry.input.reshape(-1)          # only read: no copy needed
+        else:
+            send = self.buffers.get(wire, sum(counts), arrays.HOST)[:sum(counts)]
+            host.scale_into(entry.input, prescale, send.reshape(response.shape))
+        received = host.empty((counts[self.channel.rank],), wire)
         if split:
             remainders, remainders_received = np.empty_like(send), np.empty_like(received)
             scaling.split(send, size, remainders)
             yield from self.channel.reduce_scatter(remainders, remainders_received, counts,
                                                    response.op)
         yield from self.channel.reduce_scatter(send, received, counts, response.op)
-        output = host.empty((rows[self.channel.rank],) + response.shape[1:],
-                            dtype.numpy)
+        shape = (rows[self.channel.rank],) + response.shape[1:]
         factor = self._scale_after(response)
         if split:
             scaling.combine(received, remainders_received, size, integer[0])
@@ -466,7 +469,12 @@ class Executor:
         elif integer is not None:
             host.scale_integers(received, *integer)
             factor = 1.0
-        host.scale_into(received.reshape(output.shape), factor, output)
+        if received.dtype == dtype.numpy:
+            if factor != 1.0:
+                host.scale_into(received, factor, received)
+            return received.reshape(shape)
+        output = host.empty(shape, dtype.numpy)
+        host.scale_into(received.reshape(shape), factor, output)
         return output
 
 
