@@ -1,0 +1,47 @@
+"""Sending a buffer to one rank of a process set, and receiving one, from any thread.
+
+The door to transport/messages.py for the adapters: torch.distributed's
+send and recv. Ranks count in the process set; a receive names its source
+or takes a message from any rank. ``done(error, source)`` is called once,
+on the messages' progress thread, when the message has moved or failed
+(a receive whose sender sent another description: a ValueError naming
+both; nothing within ``timeout`` seconds: a TimeoutError); it must not
+wait there for another message.
+"""
+
+import time
+
+from mpitrain.api import basics
+from mpitrain.transport import messages
+
+_progress = messages.Progress()
+
+
+def send(payload, description, dest, tag, process_set, timeout, done, call):
+    """Send ``payload`` (a 1-D uint8 array, untouched until done) to rank ``dest``."""
+    pair = _pair(process_set, dest, tag, call)
+    _progress.add(messages.Send(pair, payload, description, dest, tag, done,
+                                time.monotonic() + timeout, call))
+
+
+def receive(payload, description, source, tag, process_set, timeout, done, call):
+    """Receive into ``payload`` (a 1-D uint8 array) from rank ``source`` or any (None)."""
+    pair = _pair(process_set, source, tag, call)
+    _progress.add(messages.Receive(pair, payload, description, source, tag, done,
+                                   time.monotonic() + timeout, call))
+
+
+def _pair(process_set, peer, tag, call):
+    engine = basics.engine()
+    if not basics.topology().threads_multiple:
+        raise RuntimeError(f"{call}: MPI was initialized without MPI_THREAD_MULTIPLE, "
+                           "which messages from any thread need; let mpitrain "
+                           "initialize MPI")
+    if peer is not None and not 0 <= peer < process_set.size():
+        raise ValueError(f"{call}: rank {peer} is not a rank of a group of "
+                         f"{process_set.size()}")
+    if not 0 <= tag <= messages.largest_tag():
+        raise ValueError(f"{call}: tag {tag} is outside MPI's tags, 0 to "
+                         f"{messages.largest_tag()}")
+    process_set.rank()                 # raises where this rank is not a member
+    return engine.message_comms[process_set.process_set_id]
