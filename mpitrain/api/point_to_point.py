@@ -9,8 +9,6 @@ both; nothing within ``timeout`` seconds: a TimeoutError); it must not
 wait there for another message.
 """
 
-import time
-
 from mpitrain.api import basics
 from mpitrain.transport import messages
 
@@ -21,14 +19,14 @@ def send(payload, description, dest, tag, process_set, timeout, done, call):
     """Send ``payload`` (a 1-D uint8 array, untouched until done) to rank ``dest``."""
     pair = _pair(process_set, dest, tag, call)
     _progress.add(messages.Send(pair, payload, description, dest, tag, done,
-                                time.monotonic() + timeout, call))
+                                timeout, call))
 
 
 def receive(payload, description, source, tag, process_set, timeout, done, call):
     """Receive into ``payload`` (a 1-D uint8 array) from rank ``source`` or any (None)."""
     pair = _pair(process_set, source, tag, call)
     _progress.add(messages.Receive(pair, payload, description, source, tag, done,
-                                   time.monotonic() + timeout, call))
+                                   timeout, call))
 
 
 def _pair(process_set, peer, tag, call):

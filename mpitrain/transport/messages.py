@@ -62,8 +62,9 @@ class Pair:
 class _Message:
     """One send or receive in flight; ``done(error, source)`` is called once."""
 
-    def __init__(self, done, deadline, call):
-        self.done, self.deadline, self.call = done, deadline, call
+    def __init__(self, done, timeout, call):
+        self.done, self.timeout, self.call = done, timeout, call
+        self.deadline = time.monotonic() + timeout
         self.reported = False
 
     def finish(self, error=None, source=None):
@@ -75,8 +76,8 @@ class _Message:
 class Send(_Message):
     """``payload`` (a 1-D uint8 array, kept alive until sent) to ``dest``."""
 
-    def __init__(self, pair, payload, description, dest, tag, done, deadline, call):
-        super().__init__(done, deadline, call)
+    def __init__(self, pair, payload, description, dest, tag, done, timeout, call):
+        super().__init__(done, timeout, call)
         number = pair.next_number(dest)
         self.header = np.frombuffer(f"{payload.size}|{number}|{description}"
                                     .encode()[:HEADER_BYTES], dtype=np.uint8)
@@ -91,16 +92,16 @@ class Send(_Message):
             self.finish()
             return True, True
         if time.monotonic() > self.deadline:     # kept in flight: a late recv still gets it
-            self.finish(TimeoutError(f"{self.call}: no rank received it within the "
-                                     "store's timeout"))
+            self.finish(TimeoutError(f"{self.call}: no rank received it within "
+                                     f"its timeout of {self.timeout:g} s"))
         return False, False
 
 
 class Receive(_Message):
     """Into ``payload`` (a 1-D uint8 array) from ``source`` (None: any rank)."""
 
-    def __init__(self, pair, payload, description, source, tag, done, deadline, call):
-        super().__init__(done, deadline, call)
+    def __init__(self, pair, payload, description, source, tag, done, timeout, call):
+        super().__init__(done, timeout, call)
         self.pair, self.payload, self.description = pair, payload, description
         self.header = np.empty(HEADER_BYTES, dtype=np.uint8)
         self.status = MPI.Status()
@@ -115,8 +116,8 @@ class Receive(_Message):
             if self.pieces is not None or time.monotonic() <= self.deadline:
                 return False, False
             if self._cancelled():
-                self.finish(TimeoutError(f"{self.call}: nothing arrived within the "
-                                         "store's timeout"))
+                self.finish(TimeoutError(f"{self.call}: nothing arrived within its "
+                                         f"timeout of {self.timeout:g} s"))
                 return True, True
         if self.pieces is None:
             self._read_header()

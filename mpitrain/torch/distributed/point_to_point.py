@@ -11,7 +11,7 @@ was sent so that the sender completes. ``recv`` from any source
 (``dist.recv(tensor)``) tells torch the sender (``work._source_rank()``).
 Sends and receives in flight move without anyone waiting on them (a
 progress thread), and a recv, or a send no rank receives, fails after the
-store's timeout (init_process_group's timeout=).
+group's timeout (init_process_group's or new_group's timeout=).
 """
 
 import torch
@@ -45,7 +45,8 @@ def _described(tensor):
 
 
 def _timeout(group):
-    return group.store.timeout.total_seconds()
+    """init_process_group's or new_group's timeout=, else the store's."""
+    return (group.timeout or group.store.timeout).total_seconds()
 
 
 def send(group, tensors, dst, tag):
