@@ -19,7 +19,7 @@ with payload and header on one tag, a second receive could match the
 first one's payload as its header.
 
 One progress thread per process tests every message in flight, with pauses
-that grow while nothing moves: it completes messages no one waits on, and
+that grow while nothing moves (a tenth of the time since something did): it completes messages no one waits on, and
 it makes the MPI calls that move a send's data while its sender computes.
 """
 
@@ -33,7 +33,7 @@ from mpitrain.transport.channel import PIECE
 
 HEADER_BYTES = 4096          # room for the size, the number and a description
 _PAUSE_MIN = 20e-6           # seconds between tests of the messages in flight ...
-_PAUSE_MAX = 20e-3           # ... doubling while nothing moves, up to this
+_PAUSE_MAX = 20e-3           # ... growing while nothing moves, up to this
 
 
 def largest_tag():
@@ -173,7 +173,7 @@ class Progress:
             self._wake.notify()
 
     def _run(self):
-        pause = _PAUSE_MIN
+        moved_at = time.monotonic()
         while True:
             with self._wake:
                 while not self._messages:
@@ -191,8 +191,10 @@ class Progress:
                     with self._wake:
                         self._messages.remove(message)
             with self._wake:
-                if self._added:
-                    self._added, moved_any = False, True
-                pause = _PAUSE_MIN if moved_any else min(2 * pause, _PAUSE_MAX)
-                if not moved_any:
-                    self._wake.wait(pause)
+                if moved_any or self._added:
+                    self._added, moved_at = False, time.monotonic()
+                    continue
+                # a tenth of the time nothing moved: a completion is seen at
+                # most ~10% late, and a long wait costs few wake-ups
+                waited = time.monotonic() - moved_at
+                self._wake.wait(min(_PAUSE_MAX, max(_PAUSE_MIN, 0.1 * waited)))
