@@ -9,27 +9,42 @@ both; nothing within ``timeout`` seconds: a TimeoutError); it must not
 wait there for another message.
 """
 
-from mpitrain.api import basics
-from mpitrain.transport import messages
+import threading
 
-_progress = messages.Progress()
+from mpitrain.api import basics
+
+_progress = []                   # the one Progress, once a message is sent
+_progress_lock = threading.Lock()
 
 
 def send(payload, description, dest, tag, process_set, timeout, done, call):
     """Send ``payload`` (a 1-D uint8 array, untouched until done) to rank ``dest``."""
-    pair = _pair(process_set, dest, tag, call)
-    _progress.add(messages.Send(pair, payload, description, dest, tag, done,
-                                timeout, call))
+    messages, progress = _transport()
+    pair = _pair(messages, process_set, dest, tag, call)
+    progress.add(messages.Send(pair, payload, description, dest, tag, done, timeout, call))
 
 
 def receive(payload, description, source, tag, process_set, timeout, done, call):
     """Receive into ``payload`` (a 1-D uint8 array) from rank ``source`` or any (None)."""
-    pair = _pair(process_set, source, tag, call)
-    _progress.add(messages.Receive(pair, payload, description, source, tag, done,
-                                   timeout, call))
+    messages, progress = _transport()
+    pair = _pair(messages, process_set, source, tag, call)
+    progress.add(messages.Receive(pair, payload, description, source, tag, done, timeout,
+                                  call))
 
 
-def _pair(process_set, peer, tag, call):
+def _transport():
+    """transport/messages.py and its Progress, imported only now: importing
+    mpi4py.MPI before init() would start MPI without mpitrain's settings
+    (runtime/topology.py: Open MPI then spins in every blocking call)."""
+    basics.engine()
+    from mpitrain.transport import messages
+    with _progress_lock:
+        if not _progress:
+            _progress.append(messages.Progress())
+    return messages, _progress[0]
+
+
+def _pair(messages, process_set, peer, tag, call):
     engine = basics.engine()
     if not basics.topology().threads_multiple:
         raise RuntimeError(f"{call}: MPI was initialized without MPI_THREAD_MULTIPLE, "

@@ -124,8 +124,8 @@ class Receive(_Message):
         if not self.pieces:
             self.finish(self.error, self.source)
             return True, True
-        self.request = self.pair.payloads.Irecv([self.pieces.pop(0), MPI.BYTE], self.source,
-                                           self.number)
+        piece = self.pieces.pop(0)
+        self.request = self.pair.payloads.Irecv([piece, MPI.BYTE], self.source, self.number)
         return False, True
 
     def _read_header(self):
