@@ -14,9 +14,7 @@ a group of every rank on the same store) and measures, case after case:
                  the gradients' communication is most of the step;
   fsdp <model>:  one FSDP2 step (fully_shard of the whole model: parameters
                  all-gathered, gradients reduce-scattered) of the same model;
-  all_reduce 64 MiB:  dist.all_reduce of 16M float32 values;
-  send_recv 64 MiB:   dist.send of 16M float32 values (--p2p-mib) from each
-                      even rank to the odd rank after it, its dist.recv there.
+  all_reduce 64 MiB:  dist.all_reduce of 16M float32 values.
 
 Within a case the two backends take turns, repetition after repetition,
 and each repetition's ratio (mpitrain's time / gloo's, each the slowest
@@ -24,8 +22,7 @@ rank's) is taken within that turn. A launch reports each case's median
 ratio and the range of its repetitions; the summary gives, per case, every
 launch's median, the median over launches and their range (the lowest and
 highest launch median). The issue's goals: DDP and FSDP steps <= 0.8,
-all_reduce <= 0.5; send_recv has none. ``--models`` with no model name
-runs the two 64 MiB cases alone.
+all_reduce <= 0.5.
 """
 
 import argparse
@@ -38,7 +35,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GOALS = {"ddp": 0.8, "fsdp": 0.8, "all_reduce": 0.5, "send_recv": None}
+GOALS = {"ddp": 0.8, "fsdp": 0.8, "all_reduce": 0.5}
 
 
 def launcher():
@@ -124,22 +121,6 @@ def all_reduce_steps(groups):
             for backend, group in groups.items()}
 
 
-def send_recv_steps(groups, mib):
-    import torch
-    import torch.distributed as dist
-    data, rank = torch.ones(mib << 18), dist.get_rank()
-    peer = rank + 1 if rank % 2 == 0 else rank - 1
-
-    def step(group):
-        if peer >= dist.get_world_size():           # the last of an odd number
-            return
-        if rank % 2 == 0:
-            dist.send(data, peer, group=group)
-        else:
-            dist.recv(data, peer, group=group)
-    return {backend: (lambda group=group: step(group)) for backend, group in groups.items()}
-
-
 def measure(steps, repetitions, gloo):
     """Per repetition, each backend's time in turn; returns times and ratios."""
     for step in steps.values():                 # warm-up: buckets, buffers, imports
@@ -168,8 +149,6 @@ def run_launch(args):
             cases[f"{kind} {name}"] = measure(build(name, groups), args.repetitions, gloo)
             gc.collect()
     cases["all_reduce 64 MiB"] = measure(all_reduce_steps(groups), args.repetitions, gloo)
-    cases[f"send_recv {args.p2p_mib} MiB"] = measure(send_recv_steps(groups, args.p2p_mib),
-                                                     args.repetitions, gloo)
     if dist.get_rank() == 0:
         with open(args.json, "w") as stream:
             json.dump({"cases": cases, "load": os.getloadavg()[0]}, stream)
@@ -182,7 +161,7 @@ def run_launch(args):
 def launch(args, json_path):
     command = [launcher(), "-np", str(args.ranks), sys.executable, os.path.abspath(__file__),
                "--in-launch", "--repetitions", str(args.repetitions),
-               "--models", *args.models, "--p2p-mib", str(args.p2p_mib), "--json", json_path]
+               "--models", *args.models, "--json", json_path]
     print("+ " + " ".join(command), flush=True)
     if subprocess.run(command, stdout=subprocess.DEVNULL).returncode != 0:
         raise SystemExit("a launch failed")
@@ -202,7 +181,7 @@ def report(launches):
             for r in (l["cases"][case]["ratios"] for l in launches))
         gloo = statistics.median(t for l in launches for t in l["cases"][case]["times"]["gloo"])
         print(f"  {case:20s} median {statistics.median(medians):.2f}, launches "
-              f"{min(medians):.2f}-{max(medians):.2f} (goal <= {goal or '-'}; gloo {gloo * 1e3:.0f} ms)"
+              f"{min(medians):.2f}-{max(medians):.2f} (goal <= {goal}; gloo {gloo * 1e3:.0f} ms)"
               f"\n      {per_launch}")
         summary[case] = {"medians": medians, "goal": goal, "gloo_seconds": gloo}
     print("  load average at each launch's end: "
@@ -215,9 +194,8 @@ def main():
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repetitions", type=int, default=5)
-    parser.add_argument("--models", nargs="*", default=["resnet50", "bert"],
+    parser.add_argument("--models", nargs="+", default=["resnet50", "bert"],
                         choices=("resnet50", "bert", "gpt2"))
-    parser.add_argument("--p2p-mib", type=int, default=64, help="send_recv's MiB")
     parser.add_argument("--json", help="file for the ratios")
     parser.add_argument("--in-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

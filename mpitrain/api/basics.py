@@ -109,8 +109,6 @@ def _release(state):
             controller.channel.close()
             if set_id != 0:           # the job-wide set's is the topology's
                 controller.channel.comm.Free()
-        for messages in state.engine.message_comms.values():
-            messages.free()
         state.topology.free()
         state.engine.watch.free()
 

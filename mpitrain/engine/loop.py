@@ -20,7 +20,6 @@ from mpitrain.engine.timeline import Timeline
 from mpitrain.engine.watch import EngineAbandoned, Watch
 from mpitrain.errors import ShutdownError
 from mpitrain.ops import OpType
-from mpitrain.transport.messages import Pair
 
 log = logging.getLogger("mpitrain")
 
@@ -49,7 +48,6 @@ class Engine:
         self.controllers = {}          # process set id -> SetController (member sets)
         self.retiring = []             # removed sets' controllers, until their last round
         self.set_ranks = {}            # process set id -> ranks, for every registered set
-        self.message_comms = {}        # process set id -> its pair for send/recv (members)
         self.stop_requested = False
         self.stop_reason = None        # why this rank asked to stop
         self.stopped = False
@@ -71,25 +69,14 @@ class Engine:
     # -- set-up, from the thread that calls init() ----------------------------
 
     def add_set(self, set_id, ranks, comm):
-        """Register a process set; comm is None where this rank is not a member.
-
-        Its members also make the set's two communicators for point-to-point
-        messages (transport/messages.py's Pair), duplicates of ``comm``: here, on the
-        thread that made ``comm`` and runs its collectives (init()'s, or this
-        engine's for a set added later), since no other thread may run a
-        collective on ``comm`` meanwhile. Other threads then send and receive
-        on them, never on ``comm``.
-        """
-        controller = messages = None
-        if comm is not None:
-            controller = SetController(self._links, set_id, ranks, comm,
-                                       blocking=(set_id == 0))
-            messages = Pair(comm)
+        """Register a process set; comm is None where this rank is not a member."""
+        controller = (None if comm is None else
+                      SetController(self._links, set_id, ranks, comm,
+                                    blocking=(set_id == 0)))
         with self.lock:
             self.set_ranks[set_id] = tuple(ranks)
             if controller is not None:
                 self.controllers[set_id] = controller
-                self.message_comms[set_id] = messages
 
     def start(self):
         path = self.config.timeline
@@ -278,9 +265,6 @@ class Engine:
         with self.lock:
             controller = self.controllers.pop(set_id, None)
             del self.set_ranks[set_id]
-            messages = self.message_comms.pop(set_id, None)
-            if messages is not None:
-                messages.free()       # on every member, in this same round
             if controller is not None:
                 # Its round may be under way, its peers' too: it runs one
                 # more, its last, before the communicator is freed. A peer's

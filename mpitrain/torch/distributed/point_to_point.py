@@ -1,88 +1,86 @@
-"""send and recv of the "mpitrain" backend, on MPI (mpitrain.api.point_to_point).
+"""send and recv of the "mpitrain" backend, through the group's store.
 
-Each group's process set has a pair of communicators of its own for
-messages, made beside the set's communicator, so that torch's threads send
-and receive on them while mpitrain's engine thread runs collectives on the
-set's. A tensor travels as a header (its dtype and shape), then its bytes
-straight from a contiguous host copy (a non-contiguous or CUDA tensor is
-copied first); a recv checks the header against the tensor it receives
-into and raises, naming the source, the tag and both, after draining what
-was sent so that the sender completes. ``recv`` from any source
-(``dist.recv(tensor)``) tells torch the sender (``work._source_rank()``).
-Sends and receives in flight move without anyone waiting on them (a
-progress thread), and a recv, or a send no rank receives, fails after the
-group's timeout (init_process_group's or new_group's timeout=).
+mpitrain's engine moves collectives only; a tensor sent to one rank travels
+through the torch store the group was made with (the job's TCPStore), under a
+key of the sender, the receiver, the tag and the message's number among
+theirs. That suits the small, rare messages torch's tools send so (a
+pipeline's activations belong on a collective or on another backend).
+A recv waits as long as the store's timeout (init_process_group's timeout=).
+
+A recv waits by asking the store now and then whether its key is there, not
+with a blocking ``store.get``: a store client answers one request at a time,
+so a get that waits would hold back every later send of this process, and
+``dist.batch_isend_irecv([recv_from_left, send_to_right])`` (torch's own
+example) hung on every rank.
 """
+
+import threading
+import time
 
 import torch
 
-from mpitrain.api import point_to_point
-from mpitrain.torch.distributed.work import MpitrainWork, set_later
+from mpitrain.torch.distributed.work import MpitrainWork, completed_work
 
 
-class MessageWork(MpitrainWork):
-    """A send or recv in flight; a recv's Work knows its sender once complete."""
-
-    def __init__(self, future):
-        super().__init__(future)
-        self.source = None
-
-    def _source_rank(self):
-        self.wait()
-        return self.source
+def _bytes(tensor):
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _host_bytes(tensor):
-    """A contiguous host copy (or the tensor itself, where it is one) and its bytes."""
-    host = tensor.detach()
-    if host.device.type != "cpu" or not host.is_contiguous():
-        host = host.to("cpu", memory_format=torch.contiguous_format, copy=True)
-    return host, host.reshape(-1).view(torch.uint8).numpy()
+class Channels:
+    """The numbers of one group's messages, per (peer, tag) and direction."""
+
+    def __init__(self):
+        self._sent = {}
+        self._received = {}
+        self._lock = threading.Lock()
+
+    def _key(self, counts, sender, receiver, tag):
+        with self._lock:
+            number = counts.get((sender, receiver, tag), 0)
+            counts[(sender, receiver, tag)] = number + 1
+        return f"p2p/{sender}->{receiver}/{tag}/{number}"
+
+    def send(self, group, tensors, dst, tag):
+        tensor, = tensors
+        data = _bytes(tensor)
+        key = self._key(self._sent, group.rank(), dst, tag)
+        group.store.set(key, f"{tensor.dtype}|{tuple(tensor.shape)}|".encode() + data)
+        return completed_work([tensor])
+
+    def recv(self, group, tensors, src, tag):
+        tensor, = tensors
+        key = self._key(self._received, src, group.rank(), tag)
+        future = torch.futures.Future()
+
+        def receive():
+            try:
+                _wait_for(group.store, key, f"dist.recv from rank {src} with tag {tag}")
+                message = group.store.get(key)
+                group.store.delete_key(key)
+                dtype, shape, data = message.split(b"|", 2)
+                mine = f"{tensor.dtype}|{tuple(tensor.shape)}".encode()
+                if dtype + b"|" + shape != mine:
+                    raise ValueError(
+                        f"dist.recv from rank {src} with tag {tag}: it sent "
+                        f"{dtype.decode()} of shape {shape.decode()}, this rank "
+                        f"receives into {tensor.dtype} of shape {tuple(tensor.shape)}")
+                received = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                tensor.copy_(received.view(tensor.dtype).view(tensor.shape))
+            except BaseException as error:
+                future.set_exception(error)
+            else:
+                future.set_result([tensor])
+        threading.Thread(target=receive, daemon=True).start()
+        return MpitrainWork(future)
 
 
-def _described(tensor):
-    return f"{tensor.dtype} of shape {tuple(tensor.shape)}"
-
-
-def _timeout(group):
-    """init_process_group's or new_group's timeout=, else the store's."""
-    return (group.timeout or group.store.timeout).total_seconds()
-
-
-def send(group, tensors, dst, tag):
-    tensor, = tensors
-    _, payload = _host_bytes(tensor)
-    future = torch.futures.Future()
-
-    def done(error, source):
-        set_later(future, lambda: _result(lambda: [tensor], error))
-    point_to_point.send(payload, _described(tensor), dst, tag, group.process_set,
-                        _timeout(group), done, f"dist.send to rank {dst} with tag {tag}")
-    return MessageWork(future)
-
-
-def recv(group, tensors, src, tag):
-    tensor, = tensors
-    call = (f"dist.recv from rank {src}" if src is not None else
-            "dist.recv from any rank") + f" with tag {tag}"
-    host, payload = _host_bytes(tensor)
-    future = torch.futures.Future()
-    work = MessageWork(future)
-
-    def received():
-        if host is not tensor:        # on a pool thread: a CUDA copy may take a while
-            tensor.copy_(host)
-        return [tensor]
-
-    def done(error, source):
-        work.source = source
-        set_later(future, lambda: _result(received, error))
-    point_to_point.receive(payload, _described(tensor), src, tag, group.process_set,
-                           _timeout(group), done, call)
-    return work
-
-
-def _result(value, error):
-    if error is not None:
-        raise error
-    return value()
+def _wait_for(store, key, call):
+    """Returns once ``key`` is in ``store``; raises after the store's timeout."""
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    pause = 1e-4
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{call}: nothing arrived within the store's timeout "
+                               f"of {store.timeout}")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)

@@ -35,9 +35,10 @@ class MpitrainProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self.process_set = process_set
         self.timeout = timeout
-        self.store = store                 # its timeout is send/recv's: point_to_point.py
+        self.store = store                 # for send/recv: see point_to_point.py
         self._names = CallNames(f"group {label}")
         self._group_name = None
+        self._p2p = point_to_point.Channels()
 
     # -- identity: what torch's tools read
 
@@ -176,10 +177,11 @@ class MpitrainProcessGroup(dist.ProcessGroup):
                                  (opts or dist.ScatterOptions()).rootRank)
 
     def send(self, tensors, dst, tag=0):
-        return point_to_point.send(self, tensors, dst, tag)
+        return self._p2p.send(self, tensors, dst, tag)
 
     def recv(self, tensors, src, tag=0):
-        return point_to_point.recv(self, tensors, src, tag)
+        return self._p2p.recv(self, tensors, src, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        return point_to_point.recv(self, tensors, None, tag)
+        raise NotImplementedError("the 'mpitrain' backend receives from a named rank "
+                                  "only: pass src= to dist.recv")

@@ -5,7 +5,7 @@ backend that needs no store. Under mpirun the job already knows its ranks:
 where MASTER_ADDR is unset and the process is an MPI rank, the env://
 handler this module installs starts mpitrain, takes rank and size from MPI,
 and builds the store torch keeps for the job (gloo subgroups, object
-collectives) as a TCPStore on rank 0, whose address and port
+collectives, send/recv) as a TCPStore on rank 0, whose address and port
 travel to the other ranks by an mpitrain broadcast. Everywhere else torch's
 own handler runs, unchanged, so this only turns torch's "environment
 variable MASTER_ADDR expected" into a working start, for any backend.

@@ -52,13 +52,10 @@ class _Completer:
                 self._set(name, future.set_result, value)
 
     def _set(self, name, setter, value):
-        self.on_pool(_run_callbacks, name, setter, value)
-
-    def on_pool(self, function, *arguments):
         try:
-            self._setters.submit(function, *arguments)
+            self._setters.submit(_run_callbacks, name, setter, value)
         except RuntimeError:       # the interpreter is exiting: no new pool threads
-            function(*arguments)
+            setter(value)
 
 
 def _run_callbacks(name, setter, value):
@@ -127,19 +124,6 @@ def pending_work(name, complete, result_tensors):
     source = torch.futures.Future(devices=_devices(result_tensors))
     _completer.add(name, lambda: (complete(), result_tensors)[1], source)
     return MpitrainWork(source)
-
-
-def set_later(future, result):
-    """Set ``future`` to ``result()``, or to the error it raises, on a pool thread
-    (for a caller that must not run the future's callbacks itself)."""
-    def settle():
-        try:
-            value = result()
-        except BaseException as error:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-    _completer.on_pool(settle)
 
 
 def completed_work(result_tensors):
