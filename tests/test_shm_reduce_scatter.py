@@ -13,12 +13,6 @@ from tests.test_shm_allreduce import (
     CHUNK_BYTES, DTYPES, OPS, drive, expected, rank_input, world)
 
 
-def blocks(total, ranks):
-    """Each rank's block of ``total`` elements: uneven, and empty ones where
-    there are fewer elements than ranks."""
-    return even_split(total, ranks)
-
-
 @mpi_test(np=(1, 2, 3), init=False)
 def test_every_op_and_dtype_in_both_modes_equals_numpy():
     comm = world()
@@ -26,9 +20,10 @@ def test_every_op_and_dtype_in_both_modes_equals_numpy():
         reducer = SharedMemoryAllreduce(comm, CHUNK_BYTES, blocking=blocking)
         for dtype in DTYPES:
             for op in OPS:
-                # a slot holds 4096 bytes: the largest spans several rounds
+                # a slot holds 4096 bytes: the largest spans several rounds;
+                # fewer elements than ranks leave some blocks empty
                 for total in (0, 1, 2 * comm.size + 1, 3001):
-                    counts = blocks(total, comm.size)
+                    counts = even_split(total, comm.size)
                     inputs = [rank_input(rank, total, dtype, seed=total)
                               for rank in range(comm.size)]
                     low = sum(counts[:comm.rank])
@@ -57,7 +52,7 @@ def test_interleaved_with_allreduces_on_the_same_slots():
             buffer = inputs[comm.rank].copy()
             drive(reducer.allreduce(buffer, ReduceOp.SUM))
             np.testing.assert_array_equal(buffer, want, err_msg=f"allreduce {call}")
-            counts = blocks(total, comm.size)
+            counts = even_split(total, comm.size)
             receive = np.empty(counts[comm.rank])
             drive(reducer.reduce_scatter(inputs[comm.rank], receive, counts,
                                          ReduceOp.SUM))
@@ -74,7 +69,8 @@ def test_users_reducescatter_takes_shared_memory_and_equals_numpy():
     rows = 3 * n + 1                                       # uneven: rank 0 gets one more
     for dtype in (np.int32, np.float32, np.float64):
         inputs = [rank_input(k, rows * 400_000, dtype).reshape(rows, -1) for k in range(n)]
-        mine = slice(sum(even_split(rows, n)[:r]), sum(even_split(rows, n)[:r + 1]))
+        counts = even_split(rows, n)
+        mine = slice(sum(counts[:r]), sum(counts[:r + 1]))
         total = expected(ReduceOp.SUM, inputs)
         name = np.dtype(dtype).name
         got = mt.reducescatter(inputs[r], op=mt.Sum, name=f"{name}.sum")

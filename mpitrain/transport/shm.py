@@ -50,6 +50,7 @@ import secrets
 import numpy as np
 
 from mpitrain.ops import ReduceOp
+from mpitrain.transport.channel import starts_of
 from mpitrain.transport.chunk_io import PLAIN
 
 COMBINE = {ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
@@ -190,7 +191,7 @@ class SharedMemoryAllreduce:
         _check(send, writeable=False)
         _check(receive)
         rank, size = self.comm.rank, self.comm.size
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        starts = starts_of(counts)
         if send.size != starts[-1] or receive.size != counts[rank]:
             raise ValueError(f"reduce_scatter of {send.size} elements in blocks of "
                              f"{list(counts)}: rank {rank} receives {receive.size}")
